@@ -1,0 +1,154 @@
+"""Reading the official ReDSM5 files: `redsm5_posts.csv` and `redsm5_annotations.csv`.
+
+Row numbers in error messages count the header as row 1, as a spreadsheet shows the file, and
+count records rather than physical lines, since a quoted text may span several lines.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpo.data.errors import DataError
+
+SYMPTOMS: tuple[str, ...] = (
+    "DEPRESSED_MOOD",
+    "ANHEDONIA",
+    "APPETITE_CHANGE",
+    "SLEEP_ISSUES",
+    "PSYCHOMOTOR",
+    "FATIGUE",
+    "WORTHLESSNESS",
+    "COGNITIVE_ISSUES",
+    "SUICIDAL_THOUGHTS",
+)
+SPECIAL_CASE = "SPECIAL_CASE"
+POSTS_FILE = "redsm5_posts.csv"
+ANNOTATIONS_FILE = "redsm5_annotations.csv"
+
+# Only the columns the labels depend on are required; sentence_id, sentence_text and
+# explanation are part of the format but unused here, so files that trimmed them still load.
+_POSTS_COLUMNS = ("post_id", "text")
+_ANNOTATIONS_COLUMNS = ("post_id", "DSM5_symptom", "status")
+_KNOWN_SYMPTOMS = frozenset((*SYMPTOMS, SPECIAL_CASE))
+_STATUSES = {"0": False, "1": True}
+
+
+@dataclass(frozen=True)
+class Post:
+    post_id: str
+    text: str
+    # Symptoms with at least one status-1 row (SPECIAL_CASE only when read with special_case).
+    symptoms: frozenset[str]
+
+
+def label_names(special_case: bool = False) -> tuple[str, ...]:
+    """The label names in their fixed order: the nine criteria, then SPECIAL_CASE if enabled."""
+    return (*SYMPTOMS, SPECIAL_CASE) if special_case else SYMPTOMS
+
+
+def read_redsm5(directory: str | Path, *, special_case: bool = False) -> list[Post]:
+    """Read the posts of a ReDSM5 directory, in file order, with their symptom sets."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"{directory}: data directory not found")
+    posts_path = directory / POSTS_FILE
+    annotations_path = directory / ANNOTATIONS_FILE
+
+    texts: dict[str, str] = {}
+    first_row: dict[str, int] = {}
+    for row_number, row in _rows(posts_path, _POSTS_COLUMNS):
+        post_id = _value(posts_path, row_number, row, "post_id")
+        if post_id in texts:
+            raise DataError(
+                f"{posts_path}: column 'post_id', row {row_number}: duplicate post_id "
+                f"{_show(post_id)} (first seen in row {first_row[post_id]})"
+            )
+        texts[post_id] = row["text"]
+        first_row[post_id] = row_number
+    if not texts:
+        raise DataError(f"{posts_path}: no posts (the file has a header but no rows)")
+
+    symptoms: dict[str, set[str]] = {post_id: set() for post_id in texts}
+    for row_number, row in _rows(annotations_path, _ANNOTATIONS_COLUMNS):
+        post_id = _value(annotations_path, row_number, row, "post_id")
+        if post_id not in texts:
+            raise DataError(
+                f"{annotations_path}: column 'post_id', row {row_number}: post_id "
+                f"{_show(post_id)} is not in {posts_path.name}"
+            )
+        symptom = row["DSM5_symptom"].strip()
+        if symptom not in _KNOWN_SYMPTOMS:
+            expected = ", ".join((*SYMPTOMS, SPECIAL_CASE))
+            raise DataError(
+                f"{annotations_path}: column 'DSM5_symptom', row {row_number}: unknown symptom "
+                f"{_show(symptom)} (expected one of {expected})"
+            )
+        status = _STATUSES.get(row["status"].strip())
+        if status is None:
+            raise DataError(
+                f"{annotations_path}: column 'status', row {row_number}: invalid status "
+                f"{_show(row['status'])} (expected 0 or 1)"
+            )
+        if status and (symptom != SPECIAL_CASE or special_case):
+            symptoms[post_id].add(symptom)
+
+    return [Post(post_id, text, frozenset(symptoms[post_id])) for post_id, text in texts.items()]
+
+
+def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """Yield (row number, {column: value}) for each non-blank data row, columns by header name."""
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    records = enumerate(reader, start=1)
+    try:
+        _, header = next(records, (1, []))
+        header = [name.strip() for name in header]
+        for column in required:
+            if column not in header:
+                found = ", ".join(header) if header else "no header"
+                raise DataError(f"{path}: missing required column '{column}' (found: {found})")
+        index = {column: header.index(column) for column in required}
+        for row_number, fields in records:
+            if not fields:
+                continue
+            for column, i in index.items():
+                if i >= len(fields):
+                    raise DataError(
+                        f"{path}: column '{column}', row {row_number}: missing value (the row "
+                        f"has {len(fields)} fields, the header {len(header)})"
+                    )
+            yield row_number, {column: fields[i] for column, i in index.items()}
+    except csv.Error as exc:
+        raise DataError(f"{path}: malformed CSV near line {reader.line_num}: {exc}") from None
+
+
+def _read_text(path: Path) -> str:
+    # Decoding the whole file up front turns a bad byte anywhere into one clear error instead
+    # of a UnicodeDecodeError surfacing mid-parse; utf-8-sig drops a BOM if there is one.
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read file ({exc.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path}: not valid UTF-8 (byte {exc.start}); save the file as UTF-8"
+        ) from None
+
+
+def _value(path: Path, row_number: int, row: dict[str, str], column: str) -> str:
+    value = row[column].strip()
+    if not value:
+        raise DataError(f"{path}: column '{column}', row {row_number}: empty {column}")
+    return value
+
+
+def _show(value: str) -> str:
+    """A value quoted for an error message: repr escapes newlines, long values are cut."""
+    return repr(value if len(value) <= 60 else value[:57] + "...")

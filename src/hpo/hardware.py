@@ -1,0 +1,167 @@
+"""What the device can do: its name, memory, natively supported precisions and backend flags.
+
+Everything GPU-specific that the rest of the package needs to know goes through `Device`, so
+tests can hand in a T4, an A100 or an H100 without owning one.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+PRECISIONS = ("fp16", "bf16", "none")
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
+
+# Ampere (8.0) is the first CUDA generation with bf16 and TF32 tensor cores; older cards
+# emulate bf16, which torch.cuda.is_bf16_supported() reports as supported unless told not to.
+_AMPERE = (8, 0)
+# Pascal (6.0) and newer run fp16 natively; all CUDA cards a training job would use today do.
+_NATIVE_FP16 = (6, 0)
+
+
+@dataclass(frozen=True)
+class Device:
+    type: str  # "cuda" or "cpu"
+    name: str
+    total_memory: int  # bytes
+    compute_capability: tuple[int, int] | None = None
+    index: int | None = None
+    cpu_flags: frozenset[str] = field(default=frozenset(), repr=False)
+
+    @property
+    def native_bf16(self) -> bool:
+        if self.type == "cuda":
+            return self.compute_capability is not None and self.compute_capability >= _AMPERE
+        return bool({"avx512_bf16", "amx_bf16"} & self.cpu_flags)
+
+    @property
+    def native_fp16(self) -> bool:
+        if self.type == "cuda":
+            return self.compute_capability is not None and self.compute_capability >= _NATIVE_FP16
+        return bool({"avx512_fp16", "amx_fp16"} & self.cpu_flags)
+
+    @property
+    def tf32(self) -> bool:
+        return self.type == "cuda" and self.native_bf16
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.type, self.index) if self.index is not None else torch.device(
+            self.type
+        )
+
+    @property
+    def cache_key(self) -> str:
+        """Name and memory: two devices with both equal hold the same batch."""
+        return f"{self.name} {self.total_memory // 2**20}MiB"
+
+    def describe(self) -> str:
+        cc = f", compute {self.compute_capability[0]}.{self.compute_capability[1]}" if (
+            self.compute_capability
+        ) else ""
+        return f"{self.type} ({self.name}{cc}, {self.total_memory / 2**30:.1f} GiB)"
+
+
+def native_precisions(device: Device) -> tuple[str, ...]:
+    """The precisions the device runs natively, in PRECISIONS order; `none` always."""
+    native = {"fp16": device.native_fp16, "bf16": device.native_bf16, "none": True}
+    return tuple(p for p in PRECISIONS if native[p])
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    return _DTYPES[precision]
+
+
+def supports_fused_adamw(device: Device) -> bool:
+    # Fused AdamW has CUDA kernels and, since torch 2.4, CPU ones.
+    return device.type == "cuda" or (device.type == "cpu" and _torch_at_least(2, 4))
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def _cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def detect(requested: str = "auto") -> Device:
+    """The device a worker trains on: `auto` takes the first visible GPU, else the CPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return Device(
+            type="cpu",
+            name=_cpu_name(),
+            total_memory=psutil.virtual_memory().total,
+            cpu_flags=read_cpu_flags(),
+        )
+    index = 0 if requested in ("auto", "cuda") else int(requested.split(":", 1)[1])
+    props = torch.cuda.get_device_properties(index)
+    return Device(
+        type="cuda",
+        name=props.name,
+        total_memory=props.total_memory,
+        compute_capability=(props.major, props.minor),
+        index=index,
+    )
+
+
+def configure_backends(device: Device) -> None:
+    """TF32 matmuls and cuDNN autotuning where they are free speed (Ampere and newer)."""
+    if device.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+
+
+def loader_settings(device: Device) -> LoaderSettings:
+    # Batches are pre-tokenized lists, so collation is cheap: worker processes only pay off
+    # when a GPU waits on the host; on a CPU they would steal the cores that train.
+    if device.type == "cuda":
+        workers = min(4, max(1, (os.cpu_count() or 2) // 2))
+        return LoaderSettings(workers, pin_memory=True, persistent_workers=True, prefetch_factor=4)
+    return LoaderSettings(0, pin_memory=False, persistent_workers=False, prefetch_factor=None)
+
+
+def library_versions() -> dict[str, str]:
+    import optuna
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "optuna": optuna.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda or "none",
+    }

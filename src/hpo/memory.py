@@ -1,0 +1,142 @@
+"""Out-of-memory handling: recognise an OOM, free memory, and find the largest batch that fits.
+
+The search result is cached per key (model, precision, max_length, device) as an interval:
+the largest micro-batch known to fit and the smallest known to fail. Intervals from several
+workers merge by taking the tighter bounds, so concurrent writers cannot widen them.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "HIP out of memory",
+    "MPS backend out of memory",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    # cuDNN reports an allocation it could not make for its workspace as "not supported".
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+    "DefaultCPUAllocator: not enough memory",
+)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when `exc` means the device ran out of memory."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if isinstance(exc, RuntimeError) and exc.args:
+        message = str(exc.args[0])
+        return any(marker in message for marker in _OOM_MESSAGES)
+    return False
+
+
+def release_memory() -> None:
+    """Collect garbage and return cached device memory; call it outside any `except` block,
+    where the exception's traceback no longer pins the tensors of the failed step."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fits(step: Callable[[int], None], batch: int) -> bool:
+    """Run `step(batch)`; False if it ran out of memory, any other error propagates."""
+    out_of_memory = False
+    try:
+        step(batch)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        out_of_memory = True
+    release_memory()
+    return not out_of_memory
+
+
+@dataclass(frozen=True)
+class BatchLimit:
+    """What is known about one key: `largest_ok` fits (0: nothing known to fit yet);
+    `smallest_fail` ran out of memory (None: no failure seen)."""
+
+    largest_ok: int = 0
+    smallest_fail: int | None = None
+
+    def merge(self, other: BatchLimit) -> BatchLimit:
+        fails = [f for f in (self.smallest_fail, other.smallest_fail) if f is not None]
+        smallest_fail = min(fails) if fails else None
+        largest_ok = max(self.largest_ok, other.largest_ok)
+        if smallest_fail is not None:
+            largest_ok = min(largest_ok, smallest_fail - 1)
+        return BatchLimit(largest_ok, smallest_fail)
+
+    def after_oom(self, batch: int) -> BatchLimit:
+        """The limit once `batch` ran out of memory during training."""
+        return self.merge(BatchLimit(0, max(batch, 1)))
+
+    def to_json(self) -> dict[str, int | None]:
+        return {"largest_ok": self.largest_ok, "smallest_fail": self.smallest_fail}
+
+    @classmethod
+    def from_json(cls, data: dict[str, int | None]) -> BatchLimit:
+        return cls(int(data["largest_ok"] or 0), data.get("smallest_fail"))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    limit: BatchLimit
+    probes: int
+
+
+def search(step: Callable[[int], None], bound: int, known: BatchLimit) -> SearchResult:
+    """Binary search for the largest batch in [1, bound] that `step` survives.
+
+    The bound itself is probed first, since it usually fits; then the open interval between
+    what is known to fit and to fail is bisected: at most 1 + ceil(log2(bound)) probes, none
+    when `known` already answers. A result with largest_ok == 0 means even one sample fails.
+    """
+    limit = known
+    probes = 0
+    if _resolved(limit, bound):
+        return SearchResult(limit, 0)
+    top = bound if limit.smallest_fail is None else min(bound, limit.smallest_fail - 1)
+    probes += 1
+    if fits(step, top):
+        return SearchResult(limit.merge(BatchLimit(top, None)), probes)
+    low, high = limit.largest_ok, top
+    while high - low > 1:
+        mid = (low + high) // 2
+        probes += 1
+        if fits(step, mid):
+            low = mid
+        else:
+            high = mid
+    return SearchResult(limit.merge(BatchLimit(low, high)), probes)
+
+
+def _resolved(limit: BatchLimit, bound: int) -> bool:
+    if limit.largest_ok >= bound:
+        return True
+    return limit.smallest_fail is not None and limit.smallest_fail <= limit.largest_ok + 1
+
+
+def physical_batch(limit: BatchLimit, bound: int, safety_margin: float) -> int:
+    """The micro-batch to train with. The margin applies only when a real memory limit was
+    found below the bound: a batch that never met one has nothing to keep a distance from."""
+    if limit.smallest_fail is not None and limit.smallest_fail <= bound:
+        return max(1, min(bound, math.floor(safety_margin * limit.largest_ok)))
+    return max(1, min(bound, limit.largest_ok))
+
+
+def eval_batch(limit: BatchLimit, physical: int, bound: int) -> int:
+    """Evaluation keeps no activations for backward and no optimizer state, so it can run
+    larger micro-batches: the largest batch a full training step survived, or twice the
+    training batch when no limit has been met."""
+    if limit.smallest_fail is not None and limit.smallest_fail <= bound:
+        return max(physical, limit.largest_ok)
+    return 2 * physical
