@@ -51,6 +51,8 @@ class IntRange(_Section):
             raise ValueError(f"low ({self.low}) is greater than high ({self.high})")
         if self.log and self.low <= 0:
             raise ValueError(f"log scale needs low > 0, got {self.low}")
+        if self.log and self.step != 1:
+            raise ValueError("log scale and step cannot be combined")
         return self
 
 

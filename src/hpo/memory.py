@@ -140,3 +140,25 @@ def eval_batch(limit: BatchLimit, physical: int, bound: int) -> int:
     if limit.smallest_fail is not None and limit.smallest_fail <= bound:
         return max(physical, limit.largest_ok)
     return 2 * physical
+
+
+class StudyBatchCache:
+    """Batch limits kept as study user attributes, so every worker of the study sees them."""
+
+    PREFIX = "batch_limit:"
+
+    def __init__(self, study) -> None:
+        self._study = study
+
+    def get(self, key: str) -> BatchLimit:
+        stored = self._study.user_attrs.get(self.PREFIX + key)
+        return BatchLimit.from_json(stored) if stored else BatchLimit()
+
+    def update(self, key: str, limit: BatchLimit) -> BatchLimit:
+        # Re-read just before writing: another worker may have learnt something meanwhile.
+        merged = self.get(key).merge(limit)
+        self._study.set_user_attr(self.PREFIX + key, merged.to_json())
+        return merged
+
+    def lower(self, key: str, batch: int) -> BatchLimit:
+        return self.update(key, BatchLimit().after_oom(batch))

@@ -54,7 +54,8 @@ def read_redsm5(directory: str | Path, *, special_case: bool = False) -> list[Po
     """Read the posts of a ReDSM5 directory, in file order, with their symptom sets."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise DataError(f"{directory}: data directory not found")
+        problem = "not a directory" if directory.exists() else "data directory not found"
+        raise DataError(f"{directory}: {problem}")
     posts_path = directory / POSTS_FILE
     annotations_path = directory / ANNOTATIONS_FILE
 

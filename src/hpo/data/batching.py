@@ -1,0 +1,121 @@
+"""Tokenization once per split, and batches that waste little on padding.
+
+Training batches come in optimizer steps of exactly the effective batch size, each cut into
+micro-batches of at most the physical batch size. Samples are grouped by length (a shuffled
+mega-batch of several steps is sorted, then cut) so each micro-batch pads to a length close to
+its longest sample; the order of steps is shuffled again so training does not see lengths in
+sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hpo.data.tasks import Example
+
+# Steps per mega-batch: large enough that sorting finds close lengths, small enough that
+# consecutive steps still mix short and long posts across the epoch.
+MEGABATCH_STEPS = 8
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: tuple[tuple[int, ...], ...]
+    token_type_ids: tuple[tuple[int, ...], ...] | None
+    labels: torch.Tensor  # float, one row per example
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+
+def encode(tokenizer, examples: Sequence[Example], max_length: int) -> Encoded:
+    texts = [e.text for e in examples]
+    pairs = [e.text_pair for e in examples]
+    has_pairs = any(p is not None for p in pairs)
+    encoded = tokenizer(
+        texts,
+        pairs if has_pairs else None,
+        # Only the post is cut; the criterion of a pair is short and must stay whole.
+        truncation="only_first" if has_pairs else True,
+        max_length=max_length,
+        padding=False,
+    )
+    token_types = encoded.get("token_type_ids")
+    return Encoded(
+        input_ids=tuple(tuple(ids) for ids in encoded["input_ids"]),
+        token_type_ids=tuple(tuple(t) for t in token_types) if token_types is not None else None,
+        labels=torch.tensor([e.labels for e in examples], dtype=torch.float32),
+    )
+
+
+Step = list[list[int]]  # micro-batches of example indices
+
+
+def training_steps(
+    lengths: Sequence[int], effective: int, physical: int, *, seed: int, epoch: int
+) -> list[Step]:
+    """One epoch's optimizer steps; the samples that do not fill a last step are left out
+    (a different few each epoch), so every step holds exactly `effective` samples."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    usable = len(order) - len(order) % effective
+    steps: list[Step] = []
+    mega = effective * MEGABATCH_STEPS
+    for start in range(0, usable, mega):
+        chunk = sorted(order[start : min(start + mega, usable)], key=lambda i: -lengths[i])
+        for s in range(0, len(chunk), effective):
+            step = chunk[s : s + effective]
+            steps.append([step[m : m + physical] for m in range(0, len(step), physical)])
+    rng.shuffle(steps)
+    return steps
+
+
+def eval_batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[s : s + batch] for s in range(0, len(order), batch)]
+
+
+@dataclass(frozen=True)
+class Collator:
+    data: Encoded
+    pad_id: int
+
+    def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        width = max(len(self.data.input_ids[i]) for i in indices)
+        ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(indices), width), dtype=torch.long)
+        for row, i in enumerate(indices):
+            seq = self.data.input_ids[i]
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": self.data.labels[indices]}
+        if self.data.token_type_ids is not None:
+            types = torch.zeros((len(indices), width), dtype=torch.long)
+            for row, i in enumerate(indices):
+                seq = self.data.token_type_ids[i]
+                types[row, : len(seq)] = torch.tensor(seq)
+            batch["token_type_ids"] = types
+        return batch
+
+
+class PlannedBatches(torch.utils.data.Sampler):
+    """A batch sampler that yields whatever micro-batches the training loop planned for the
+    current epoch, so one DataLoader (and its persistent workers) serves every epoch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)

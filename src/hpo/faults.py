@@ -1,0 +1,55 @@
+"""Fault injection, for tests only: out-of-memory errors on a machine without a GPU.
+
+HPO_FAULT_OOM_ABOVE_BATCH=N   any forward pass on a micro-batch larger than N raises
+                              torch.OutOfMemoryError, as a GPU that holds N samples would.
+HPO_FAULT_OOM_AT_STEP=K       the K-th optimizer step of each trial's training raises
+                              torch.OutOfMemoryError once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+OOM_ABOVE_BATCH = "HPO_FAULT_OOM_ABOVE_BATCH"
+OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def check_environment() -> None:
+    """Fail early on a malformed fault variable rather than in the middle of a trial."""
+    _int_env(OOM_ABOVE_BATCH)
+    _int_env(OOM_AT_STEP)
+
+
+def install(model: torch.nn.Module) -> None:
+    """Make `model` fail like a GPU of limited memory when HPO_FAULT_OOM_ABOVE_BATCH is set."""
+    limit = _int_env(OOM_ABOVE_BATCH)
+    if limit is None:
+        return
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is not None and inputs.shape[0] > limit:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory (injected: micro-batch {inputs.shape[0]} > "
+                f"{OOM_ABOVE_BATCH}={limit})"
+            )
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def before_optimizer_step(step: int) -> None:
+    """Raise once at the configured optimizer step (1-based, counted per trial)."""
+    if step == _int_env(OOM_AT_STEP):
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {OOM_AT_STEP}={step})")

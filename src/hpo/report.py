@@ -1,0 +1,103 @@
+"""What a worker shows: a live progress line per trial on a terminal, one summary line per
+finished trial, the best trial at the end. Logs (no terminal) get plain lines per epoch."""
+
+from __future__ import annotations
+
+import sys
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hpo.executor import Outcome
+from hpo.space import Params
+from hpo.train import Plan
+from hpo.train import Progress as TrainProgress
+
+
+def describe_params(params: dict) -> str:
+    parts = []
+    for name, value in params.items():
+        shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        parts.append(f"{name}={shown}")
+    return " ".join(parts)
+
+
+class ConsoleReporter:
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.live = self.console.is_terminal
+        self._progress: Progress | None = None
+        self._task = None
+
+    def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None:
+        searched = f"batch search {probes} probes" if probes else "batch from cache"
+        self.console.print(
+            f"trial {number} start: model={params.model_name} fp_precision={params.fp_precision} "
+            f"lr={params.learning_rate:.3g} effective {plan.effective_batch} = "
+            f"{plan.physical_batch} x {plan.grad_accum_steps} accumulation "
+            f"(eval batch {plan.eval_batch}, {searched})"
+        )
+        if self.live:
+            self._progress = Progress(
+                TextColumn("  trial {task.fields[number]} epoch {task.fields[epoch]}"),
+                BarColumn(),
+                TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+                TextColumn("{task.fields[speed]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(
+                "train", total=1, number=number, epoch=f"1/{plan.epochs}", speed=""
+            )
+
+    def step(self, number: int, progress: TrainProgress, epochs: int) -> None:
+        if self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=progress.step,
+                total=progress.steps_per_epoch,
+                epoch=f"{progress.epoch}/{epochs}",
+                speed=f"{progress.samples_per_second:.0f} samples/s",
+            )
+
+    def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None:
+        self.console.print(f"  trial {number} epoch {epoch}/{epochs}: score {score:.4f}")
+
+    def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        attrs = trial.user_attrs
+        if outcome.state == TrialState.COMPLETE:
+            result = f"value {outcome.value:.4f}"
+        elif outcome.state == TrialState.PRUNED:
+            result = f"pruned ({outcome.prune_reason})"
+        else:
+            result = f"failed ({outcome.error})"
+        batch = ""
+        if "physical_batch_size" in attrs:
+            batch = f" batch {attrs['physical_batch_size']}x{attrs['grad_accum_steps']}"
+        seconds = attrs.get("trial_seconds", 0.0)
+        self.console.print(
+            f"trial {trial.number} {result}  {describe_params(trial.params)}{batch} "
+            f"{seconds:.1f}s"
+        )
+
+    def message(self, text: str) -> None:
+        self.console.print(text)
+
+    def best(self, study: optuna.Study) -> None:
+        try:
+            best = study.best_trial
+        except ValueError:
+            self.console.print("no completed trial yet")
+            return
+        attrs = best.user_attrs
+        self.console.print(
+            f"best trial {best.number}: value {best.value:.4f}  {describe_params(best.params)} "
+            f"batch {attrs.get('physical_batch_size')}x{attrs.get('grad_accum_steps')}"
+        )

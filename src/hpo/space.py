@@ -1,0 +1,114 @@
+"""The search space: which precisions a device may search, pinning the space in the study,
+and suggesting one trial's parameters."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+
+from hpo.config import FloatRange, IntRange, SearchSpace
+from hpo.hardware import Device, native_precisions
+
+PIN_ATTR = "search_space"
+
+
+class SpaceError(ValueError):
+    """The space cannot be searched on this device or disagrees with the study's pinned one."""
+
+
+@dataclass(frozen=True)
+class Params:
+    model_name: str
+    fp_precision: str
+    target_effective_batch_size: int
+    learning_rate: float
+    extras: dict[str, float | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PinnedSpace:
+    declared: dict[str, Any]  # the search_space section as the study file states it
+    fp_precision: tuple[str, ...]  # what `declared` resolved to on the creating device
+
+    def to_json(self) -> dict[str, Any]:
+        return {"declared": self.declared, "fp_precision": list(self.fp_precision)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PinnedSpace:
+        return cls(declared=data["declared"], fp_precision=tuple(data["fp_precision"]))
+
+
+def resolve_precisions(declared: str | list[str], device: Device) -> tuple[str, ...]:
+    """`auto` keeps what the device runs natively; an explicit list must be all native,
+    since an emulated precision is slower than fp32 and not worth a trial."""
+    native = native_precisions(device)
+    if declared == "auto":
+        return native
+    for precision in declared:
+        if precision not in native:
+            raise SpaceError(
+                f"fp_precision: {precision} is not native on {device.describe()} "
+                f"(native: {', '.join(native)}); remove it or use auto"
+            )
+    return tuple(declared)
+
+
+def declare(space: SearchSpace, device: Device) -> PinnedSpace:
+    declared = space.model_dump(mode="json", exclude_none=True)
+    return PinnedSpace(declared, resolve_precisions(space.fp_precision, device))
+
+
+def pin(study: optuna.Study, space: SearchSpace, device: Device) -> PinnedSpace:
+    """The space this worker searches: the study's pinned one, pinned now if it is new.
+
+    A worker refuses to join when its study file describes another space, or when its device
+    cannot run natively a precision the study already searches.
+    """
+    mine = declare(space, device)
+    stored = study.user_attrs.get(PIN_ATTR)
+    if stored is None:
+        study.set_user_attr(PIN_ATTR, mine.to_json())
+        return mine
+    pinned = PinnedSpace.from_json(stored)
+    if pinned.declared != mine.declared:
+        key = _first_difference(pinned.declared, mine.declared)
+        raise SpaceError(
+            f"study '{study.study_name}' was created with a different search space "
+            f"(search_space.{key}: pinned {json.dumps(pinned.declared.get(key))}, "
+            f"this file {json.dumps(mine.declared.get(key))})"
+        )
+    native = native_precisions(device)
+    missing = [p for p in pinned.fp_precision if p not in native]
+    if missing:
+        raise SpaceError(
+            f"study '{study.study_name}' searches fp_precision {', '.join(pinned.fp_precision)}, "
+            f"but {device.describe()} runs {', '.join(missing)} only by emulation"
+        )
+    return pinned
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    return next(k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k))
+
+
+def suggest(trial: optuna.Trial, pinned: PinnedSpace) -> Params:
+    space = SearchSpace.model_validate(pinned.declared)
+    params = Params(
+        model_name=trial.suggest_categorical("model_name", space.model_name),
+        fp_precision=trial.suggest_categorical("fp_precision", list(pinned.fp_precision)),
+        target_effective_batch_size=trial.suggest_categorical(
+            "target_effective_batch_size", space.target_effective_batch_size
+        ),
+        learning_rate=_suggest(trial, "learning_rate", space.learning_rate),
+        extras={name: _suggest(trial, name, dist) for name, dist in space.extras().items()},
+    )
+    return params
+
+
+def _suggest(trial: optuna.Trial, name: str, dist: FloatRange | IntRange) -> float | int:
+    if isinstance(dist, IntRange):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    return trial.suggest_float(name, dist.low, dist.high, log=dist.log)

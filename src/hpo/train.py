@@ -1,0 +1,259 @@
+"""Train and evaluate one configuration: autocast, GradScaler for fp16, fused AdamW, exact
+gradient accumulation, clipping, per-epoch evaluation.
+
+The accumulated gradient of a step equals the gradient of one big batch: each micro-batch's
+summed per-sample loss is divided by the step's sample count, not by its own size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import get_linear_schedule_with_warmup
+
+from hpo import faults
+from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
+from hpo.hardware import Device, autocast_dtype, loader_settings, supports_fused_adamw
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run needs besides the model and data; derived once per trial."""
+
+    precision: str
+    effective_batch: int
+    physical_batch: int
+    eval_batch: int
+    learning_rate: float
+    weight_decay: float
+    warmup_ratio: float
+    max_grad_norm: float
+    epochs: int
+    seed: int
+    gradient_checkpointing: bool = False
+    compile: bool = False
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return math.ceil(self.effective_batch / self.physical_batch)
+
+
+@dataclass
+class Progress:
+    """Running counters of a training run, read by the progress display and the trial."""
+
+    epoch: int = 0
+    step: int = 0
+    steps_per_epoch: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    step_seconds: float = 0.0
+    eval_seconds: float = 0.0
+
+    @property
+    def train_seconds(self) -> float:
+        return self.step_seconds + self.eval_seconds
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+def autocast(device: Device, precision: str) -> contextlib.AbstractContextManager:
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Module:
+    model.to(device.torch_device)
+    faults.install(model)
+    if plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    if plan.compile:
+        return torch.compile(model, dynamic=True)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.optim.AdamW:
+    # Biases and normalisation weights are not decayed, as in BERT's recipe.
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": plan.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=plan.learning_rate, fused=supports_fused_adamw(device))
+
+
+def micro_batch_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], step_samples: int
+) -> torch.Tensor:
+    labels = batch.pop("labels")
+    logits = model(**batch).logits.float()
+    per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, labels, reduction="none"
+    ).mean(dim=1)
+    return per_sample.sum() / step_samples
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    max_grad_norm: float,
+) -> None:
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def probe_step(
+    model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int, vocab: int
+) -> None:
+    """One full training step (forward, backward, optimizer step) on `batch` sequences of
+    `length` tokens: the memory a real step of that size needs, optimizer state included."""
+    optimizer = make_optimizer(model, plan, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    generator = torch.Generator().manual_seed(0)
+    inputs = {
+        "input_ids": torch.randint(0, vocab, (batch, length), generator=generator),
+        "attention_mask": torch.ones((batch, length), dtype=torch.long),
+        "labels": torch.zeros((batch, model.config.num_labels)),
+    }
+    inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+    with autocast(device, plan.precision):
+        loss = micro_batch_loss(model, inputs, batch)
+    scaler.scale(loss).backward()
+    optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
+    _synchronize(device)
+
+
+def _synchronize(device: Device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device.torch_device)
+
+
+def _loader(data: Encoded, pad_id: int, device: Device, sampler: PlannedBatches):
+    settings = loader_settings(device)
+    return torch.utils.data.DataLoader(
+        range(len(data)),
+        batch_sampler=sampler,
+        collate_fn=Collator(data, pad_id),
+        num_workers=settings.num_workers,
+        pin_memory=settings.pin_memory,
+        persistent_workers=settings.persistent_workers,
+        prefetch_factor=settings.prefetch_factor,
+    )
+
+
+def train(
+    model: torch.nn.Module,
+    train_data: Encoded,
+    plan: Plan,
+    device: Device,
+    *,
+    pad_id: int,
+    evaluate: Callable[[torch.nn.Module], float],
+    on_epoch: Callable[[int, float], None],
+    on_step: Callable[[Progress], None] = lambda _: None,
+) -> Progress:
+    """Train for `plan.epochs`; after each epoch `evaluate` scores the model and `on_epoch`
+    hears the score (and may raise optuna.TrialPruned to stop)."""
+    torch.manual_seed(plan.seed)
+    optimizer = make_optimizer(model, plan, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    lengths = train_data.lengths
+    steps_per_epoch = len(lengths) // plan.effective_batch
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the training split has {len(lengths)} examples, fewer than one effective batch "
+            f"of {plan.effective_batch}"
+        )
+    total_steps = steps_per_epoch * plan.epochs
+    scheduler = get_linear_schedule_with_warmup(
+        optimizer, round(plan.warmup_ratio * total_steps), total_steps
+    )
+    sampler = PlannedBatches()
+    loader = _loader(train_data, pad_id, device, sampler)
+    progress = Progress(steps_per_epoch=steps_per_epoch)
+    non_blocking = device.type == "cuda"
+    optimizer_steps = 0
+    for epoch in range(1, plan.epochs + 1):
+        progress.epoch, progress.step = epoch, 0
+        steps = training_steps(
+            lengths, plan.effective_batch, plan.physical_batch, seed=plan.seed, epoch=epoch
+        )
+        sampler.batches = [micro for step in steps for micro in step]
+        batches = iter(loader)
+        started = time.perf_counter()
+        for step in steps:
+            running = torch.zeros((), device=device.torch_device)
+            for _ in step:
+                batch = {
+                    k: v.to(device.torch_device, non_blocking=non_blocking)
+                    for k, v in next(batches).items()
+                }
+                progress.real_tokens += int(batch["attention_mask"].sum())
+                progress.padded_tokens += batch["attention_mask"].numel()
+                with autocast(device, plan.precision):
+                    loss = micro_batch_loss(model, batch, plan.effective_batch)
+                scaler.scale(loss).backward()
+                running += loss.detach()
+            step_loss = float(running)  # the one host sync of an optimizer step
+            if not math.isfinite(step_loss):
+                raise NonFiniteLoss(f"loss {step_loss} at epoch {epoch}, step {progress.step + 1}")
+            optimizer_steps += 1
+            faults.before_optimizer_step(optimizer_steps)
+            optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
+            scheduler.step()
+            progress.step += 1
+            progress.samples += plan.effective_batch
+            progress.step_seconds += time.perf_counter() - started
+            started = time.perf_counter()
+            on_step(progress)
+        began_eval = time.perf_counter()
+        score = evaluate(model)
+        progress.eval_seconds += time.perf_counter() - began_eval
+        on_epoch(epoch, score)
+    return progress
+
+
+@torch.inference_mode()
+def predict(
+    model: torch.nn.Module, data: Encoded, batch: int, device: Device, precision: str, pad_id: int
+) -> torch.Tensor:
+    """Sigmoid probabilities for every example, in the data's order."""
+    was_training = model.training
+    model.eval()
+    collate = Collator(data, pad_id)
+    out = torch.empty_like(data.labels)
+    for indices in eval_batches(data.lengths, batch):
+        inputs = {k: v.to(device.torch_device) for k, v in collate(indices).items()}
+        inputs.pop("labels")
+        with autocast(device, precision):
+            logits = model(**inputs).logits
+        out[indices] = torch.sigmoid(logits.float()).cpu()
+    model.train(was_training)
+    return out
