@@ -34,12 +34,12 @@ TARGET_COUNTS = {
     label: max(MIN_POSITIVES, round(count * N_POSTS / 1484)) for label, count in REAL_COUNTS.items()
 }
 # Word counts: a lognormal body plus a small lognormal tail of long rants, since a single
-# lognormal with median 45 and mean 70 almost never reaches the ~1,500-word posts Reddit has.
-BODY_MEDIAN, BODY_SIGMA = 38.0, 0.8
-TAIL_SHARE, TAIL_MEDIAN, TAIL_SIGMA = 0.04, 260.0, 0.9
-MAX_WORDS = 1500
+# lognormal with median 20 and mean 30 almost never reaches the ~1,000-word posts Reddit has.
+BODY_MEDIAN, BODY_SIGMA = 20.0, 0.7
+TAIL_SHARE, TAIL_MEDIAN, TAIL_SIGMA = 0.04, 160.0, 0.9
+MAX_WORDS = 1000
 SHORT_POST_WORDS = 8  # below this, a post without evidence is one short line
-EARLY_WORDS = 50  # evidence mostly starts within the first 50 words: inside 128 tokens
+EARLY_WORDS = 25  # evidence mostly starts within the first 25 words: inside 64 tokens
 P_EARLY = 0.85
 P_TWO_EVIDENCE = 0.35
 P_VAGUE = 0.05

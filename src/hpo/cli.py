@@ -15,12 +15,14 @@ from hpo import config as config_module
 from hpo import faults
 from hpo.config import ConfigError, StudyConfig
 from hpo.data.errors import DataError
+from hpo.faults import FaultConfigError
 from hpo.models import ModelError
 from hpo.space import SpaceError
 from hpo.study import StorageError
 
-BAD_INPUT = (ConfigError, DataError, ModelError, SpaceError, StorageError)
+BAD_INPUT = (ConfigError, DataError, FaultConfigError, ModelError, SpaceError, StorageError)
 EXIT_OK, EXIT_UNEXPECTED, EXIT_BAD_INPUT = 0, 1, 2
+BASELINE = "every symptom predicted for every post"
 
 
 class UsageError(ValueError):
@@ -134,11 +136,25 @@ def command_run(args: argparse.Namespace) -> int:
                          f"(asked for {args.n_trials}); nothing to do")
         reporter.best(optuna_study)
         return EXIT_OK
-    result = study.run_worker(optuna_study, worker, reporter, n_trials=args.n_trials,
-                              timeout=args.timeout)
+    baseline = worker.baseline()
+    optuna_study.set_user_attr(
+        "baseline", {"name": BASELINE, config.study.objective: baseline.get(config.study.objective)}
+    )
+    try:
+        result = study.run_worker(
+            optuna_study, worker, reporter, n_trials=args.n_trials, timeout=args.timeout,
+            max_consecutive_failures=config.study.max_consecutive_failures,
+        )
+    except study.WorkerStopped as exc:
+        print(f"hpo: worker stopped: {exc}", file=sys.stderr)
+        return EXIT_UNEXPECTED
     reporter.message(f"this worker ran {result.ran} trials; the study has "
                      f"{result.finished_after} finished")
     reporter.best(optuna_study)
+    reporter.message(
+        f"trivial baseline ({BASELINE}): {config.study.objective} "
+        f"{baseline.get(config.study.objective):.4f} on the validation split"
+    )
     return EXIT_OK
 
 

@@ -114,6 +114,8 @@ class StudySection(_Section):
     name: str | None = None
     storage: str | None = None
     objective: Literal["macro_f1", "micro_f1"] = "macro_f1"
+    # A worker stops after this many FAILed trials in a row instead of burning the budget.
+    max_consecutive_failures: Annotated[int, Field(ge=1)] = 3
     sampler: SamplerConfig = SamplerConfig()
     pruner: PrunerConfig = PrunerConfig()
 
@@ -139,6 +141,9 @@ class TrainingConfig(_Section):
     weight_decay: Annotated[float, Field(ge=0)] = 0.01
     warmup_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
+    # balanced: each label's positives weigh negatives/positives in the loss. Rare symptoms
+    # otherwise sit below the 0.5 threshold for most of a short fine-tuning run.
+    pos_weight: Literal["balanced", "none"] = "balanced"
     max_physical_batch_size: Annotated[int, Field(ge=1)] = 256
     safety_margin: Annotated[float, Field(gt=0, le=1)] = 0.9
     gradient_checkpointing: bool = False

@@ -25,7 +25,16 @@ from hpo.data.tasks import Example
 from hpo.hardware import Device, library_versions
 from hpo.models import ModelStore
 from hpo.space import Params, PinnedSpace, suggest
-from hpo.train import NonFiniteLoss, Plan, Progress, predict, prepare, probe_step, train
+from hpo.train import (
+    NonFiniteLoss,
+    Plan,
+    Progress,
+    balanced_pos_weight,
+    predict,
+    prepare,
+    probe_step,
+    train,
+)
 
 
 class Reporter(Protocol):
@@ -70,8 +79,12 @@ class Worker:
         return self._encoded[model_name]
 
     def gold(self) -> torch.Tensor:
-        _, validation = next(iter(self._encoded.values()))
-        return metrics.as_grid(validation.labels, len(self.label_names)).bool()
+        """The validation posts' labels as a post x label grid."""
+        labels = torch.tensor([e.labels for e in self.validation_examples])
+        return metrics.as_grid(labels, len(self.label_names)).bool()
+
+    def baseline(self) -> metrics.Scores:
+        return metrics.all_positive_baseline(self.gold(), self.label_names)
 
 
 def cache_key(params: Params, max_length: int, device: Device) -> str:
@@ -189,9 +202,12 @@ def _run(
         state["progress"] = progress
         reporter.step(trial.number, progress, plan.epochs)
 
+    pos_weight = (
+        balanced_pos_weight(train_data.labels) if training.pos_weight == "balanced" else None
+    )
     try:
         train(model, train_data, plan, device, pad_id=pad_id, evaluate=evaluate,
-              on_epoch=on_epoch, on_step=on_step)
+              on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
     finally:
         _record_progress(trial, state.get("progress"), scores)
     return scores[-1].get(objective)

@@ -16,6 +16,10 @@ OOM_ABOVE_BATCH = "HPO_FAULT_OOM_ABOVE_BATCH"
 OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
 
 
+class FaultConfigError(ValueError):
+    """A fault-injection variable that is not an integer."""
+
+
 def _int_env(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
@@ -23,7 +27,7 @@ def _int_env(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        raise FaultConfigError(f"{name} must be an integer, got {value!r}") from None
 
 
 def check_environment() -> None:

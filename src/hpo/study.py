@@ -107,6 +107,10 @@ def running_count(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)))
 
 
+class WorkerStopped(RuntimeError):
+    """The worker gave up: too many trials in a row failed."""
+
+
 @dataclass(frozen=True)
 class WorkerResult:
     ran: int
@@ -121,12 +125,15 @@ def run_worker(
     *,
     n_trials: int,
     timeout: float | None = None,
+    max_consecutive_failures: int = 3,
 ) -> WorkerResult:
     """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials, or
-    until `timeout` seconds have passed (a running trial is not cut short)."""
+    until `timeout` seconds have passed (a running trial is not cut short). Failed trials do
+    not count towards the total; `max_consecutive_failures` of them in a row stop the worker."""
     started = time.monotonic()
     before = finished_count(study)
     ran = 0
+    failures = 0
     while finished_count(study) + running_count(study) < n_trials:
         if timeout is not None and time.monotonic() - started >= timeout:
             reporter.message(f"timeout of {timeout:g}s reached")
@@ -141,4 +148,9 @@ def run_worker(
             raise
         ran += 1
         reporter.trial_finished(finished, outcome)
+        failures = failures + 1 if outcome.state == TrialState.FAIL else 0
+        if failures >= max_consecutive_failures:
+            raise WorkerStopped(
+                f"{failures} trials in a row failed; last error: {outcome.error}"
+            )
     return WorkerResult(ran, before, finished_count(study))

@@ -105,13 +105,24 @@ def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.
     return torch.optim.AdamW(groups, lr=plan.learning_rate, fused=supports_fused_adamw(device))
 
 
+def balanced_pos_weight(labels: torch.Tensor) -> torch.Tensor:
+    """negatives / positives per label; 1 for a label with no positives or no negatives."""
+    positives = labels.sum(0)
+    negatives = labels.shape[0] - positives
+    weight = negatives / positives.clamp(min=1)
+    return torch.where((positives > 0) & (negatives > 0), weight, torch.ones_like(weight))
+
+
 def micro_batch_loss(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], step_samples: int
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    step_samples: int,
+    pos_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     labels = batch.pop("labels")
     logits = model(**batch).logits.float()
     per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
-        logits, labels, reduction="none"
+        logits, labels, reduction="none", pos_weight=pos_weight
     ).mean(dim=1)
     return per_sample.sum() / step_samples
 
@@ -178,6 +189,7 @@ def train(
     evaluate: Callable[[torch.nn.Module], float],
     on_epoch: Callable[[int, float], None],
     on_step: Callable[[Progress], None] = lambda _: None,
+    pos_weight: torch.Tensor | None = None,
 ) -> Progress:
     """Train for `plan.epochs`; after each epoch `evaluate` scores the model and `on_epoch`
     hears the score (and may raise optuna.TrialPruned to stop)."""
@@ -199,6 +211,8 @@ def train(
     loader = _loader(train_data, pad_id, device, sampler)
     progress = Progress(steps_per_epoch=steps_per_epoch)
     non_blocking = device.type == "cuda"
+    if pos_weight is not None:
+        pos_weight = pos_weight.to(device.torch_device)
     optimizer_steps = 0
     for epoch in range(1, plan.epochs + 1):
         progress.epoch, progress.step = epoch, 0
@@ -218,7 +232,7 @@ def train(
                 progress.real_tokens += int(batch["attention_mask"].sum())
                 progress.padded_tokens += batch["attention_mask"].numel()
                 with autocast(device, plan.precision):
-                    loss = micro_batch_loss(model, batch, plan.effective_batch)
+                    loss = micro_batch_loss(model, batch, plan.effective_batch, pos_weight)
                 scaler.scale(loss).backward()
                 running += loss.detach()
             step_loss = float(running)  # the one host sync of an optimizer step

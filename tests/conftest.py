@@ -1,0 +1,104 @@
+"""Shared fixtures: a tiny BERT built from the demo corpus, a small ReDSM5-format data set,
+a tiny study file, and mocked device capabilities."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpo.hardware import Device
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DATA = REPO / "data" / "demo"
+SHARED_SAMPLE = REPO.parent / "shared" / "data" / "redsm5-sample"
+
+T4 = Device("cuda", "Tesla T4", 16 * 2**30, compute_capability=(7, 5), index=0)
+A100 = Device("cuda", "NVIDIA A100-SXM4-40GB", 40 * 2**30, compute_capability=(8, 0), index=0)
+H100 = Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30, compute_capability=(9, 0), index=0)
+CPU_AVX2 = Device("cpu", "x86 AVX2", 8 * 2**30, cpu_flags=frozenset({"avx", "avx2", "fma"}))
+CPU_AVX512_BF16 = Device(
+    "cpu", "x86 AVX512-BF16", 8 * 2**30, cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"})
+)
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A 2-layer BERT of hidden size 32 with a WordPiece vocabulary from the demo posts."""
+    make = _load_script("make_tiny_model")
+    out = tmp_path_factory.mktemp("models") / "tiny-bert"
+    return make.make_tiny_bert(
+        make.read_posts(DEMO_DATA), out, vocab_size=800, hidden=32, layers=2, heads=2
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory) -> Path:
+    make = _load_script("make_tiny_model")
+    out = tmp_path_factory.mktemp("models") / "tiny-bert-b"
+    return make.make_tiny_bert(
+        make.read_posts(DEMO_DATA), out, vocab_size=600, hidden=16, layers=1, heads=2, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> Path:
+    """The first 80 demo posts and their annotations, in ReDSM5 format."""
+    out = tmp_path_factory.mktemp("data")
+    with (DEMO_DATA / "redsm5_posts.csv").open(encoding="utf-8", newline="") as handle:
+        posts = list(csv.DictReader(handle))[:80]
+    keep = {row["post_id"] for row in posts}
+    with (DEMO_DATA / "redsm5_annotations.csv").open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        fields = reader.fieldnames
+        notes = [row for row in reader if row["post_id"] in keep]
+    for name, rows, header in (
+        ("redsm5_posts.csv", posts, ["post_id", "text"]),
+        ("redsm5_annotations.csv", notes, fields),
+    ):
+        with (out / name).open("w", encoding="utf-8", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(rows)
+    return out
+
+
+def study_dict(models: list[Path | str], data: Path, **training) -> dict:
+    return {
+        "study": {"sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"}},
+        "data": {"dir": str(data), "max_length": 32, "validation_fraction": 0.25,
+                 "test_fraction": 0.0},
+        "search_space": {
+            "model_name": [str(m) for m in models],
+            "fp_precision": ["none"],
+            "target_effective_batch_size": [8, 16],
+            "learning_rate": {"low": 1.0e-4, "high": 1.0e-3, "log": True},
+        },
+        "training": {"epochs": 1, "max_physical_batch_size": 16, "device": "cpu", **training},
+    }
+
+
+@pytest.fixture
+def tiny_study(tmp_path, tiny_model, tiny_model_b, small_data) -> Path:
+    """A study file over the two tiny models and the small data set, fast on a CPU."""
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(study_dict([tiny_model, tiny_model_b], small_data)))
+    return path
+
+
+@pytest.fixture
+def copy_demo(tmp_path) -> Path:
+    target = tmp_path / "demo"
+    shutil.copytree(DEMO_DATA, target, ignore=shutil.ignore_patterns("models"))
+    return target

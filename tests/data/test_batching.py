@@ -1,0 +1,70 @@
+import random
+
+import pytest
+from conftest import DEMO_DATA
+
+from hpo.data.batching import Collator, Encoded, eval_batches, training_steps
+from hpo.data.redsm5 import read_redsm5
+
+
+def long_tailed_lengths(n: int = 500, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [min(512, max(4, int(rng.lognormvariate(4.3, 0.9)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("effective", "physical"), [(32, 8), (32, 32), (24, 5), (8, 16)])
+def test_every_step_holds_exactly_the_effective_batch(effective, physical):
+    lengths = long_tailed_lengths()
+    steps = training_steps(lengths, effective, physical, seed=1, epoch=1)
+    assert len(steps) == len(lengths) // effective
+    seen = [i for step in steps for micro in step for i in micro]
+    assert len(seen) == len(set(seen)) == len(steps) * effective
+    for step in steps:
+        assert sum(len(m) for m in step) == effective
+        assert all(1 <= len(m) <= physical for m in step)
+
+
+def test_steps_are_reproducible_and_vary_by_epoch():
+    lengths = long_tailed_lengths()
+    a = training_steps(lengths, 16, 4, seed=3, epoch=1)
+    assert a == training_steps(lengths, 16, 4, seed=3, epoch=1)
+    assert a != training_steps(lengths, 16, 4, seed=3, epoch=2)
+
+
+def padding_efficiency(lengths, batches) -> float:
+    real = sum(lengths[i] for b in batches for i in b)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    return real / padded
+
+
+def test_length_grouping_wastes_little_on_padding():
+    lengths = long_tailed_lengths()
+    grouped = [m for s in training_steps(lengths, 32, 8, seed=0, epoch=1) for m in s]
+    order = list(range(len(lengths)))
+    random.Random(0).shuffle(order)
+    plain = [order[i : i + 8] for i in range(0, len(grouped) * 8, 8)]
+    assert padding_efficiency(lengths, grouped) >= 0.85
+    assert padding_efficiency(lengths, plain) < 0.6
+
+
+def test_eval_batches_cover_everything_once():
+    lengths = long_tailed_lengths(101)
+    batches = eval_batches(lengths, 16)
+    assert sorted(i for b in batches for i in b) == list(range(101))
+    assert max(len(b) for b in batches) == 16
+
+
+def test_collator_pads_to_the_longest_in_the_batch():
+    import torch
+
+    data = Encoded(input_ids=((5, 6, 7), (8,)), token_type_ids=None,
+                   labels=torch.tensor([[1.0], [0.0]]))
+    batch = Collator(data, pad_id=0)([0, 1])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[1.0], [0.0]]
+
+
+def test_demo_posts_are_long_tailed():
+    words = sorted(len(p.text.split()) for p in read_redsm5(DEMO_DATA))
+    assert words[-1] > 10 * words[len(words) // 2]

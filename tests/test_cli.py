@@ -1,0 +1,142 @@
+"""`hpo run` end to end on tiny models: the storage holds what DESIGN.md §2 promises."""
+
+from collections import defaultdict
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.cli import main
+
+PARAMS = {"model_name", "fp_precision", "target_effective_batch_size", "learning_rate"}
+ATTRS = {
+    "physical_batch_size", "grad_accum_steps", "effective_batch_size", "batch_probes",
+    "device", "samples_per_second", "padding_efficiency", "train_seconds", "trial_seconds",
+    "versions", "worker",
+}
+
+
+def run(study_file, storage, n, *extra) -> int:
+    return main(["run", "--config", str(study_file), "--storage", storage,
+                 "--n-trials", str(n), *extra])
+
+
+def load(storage: str) -> optuna.Study:
+    return optuna.load_study(study_name="tiny", storage=storage)
+
+
+@pytest.fixture
+def storage(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'hpo.db'}"
+
+
+def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
+    assert run(tiny_study, storage, 3) == 0
+    study = load(storage)
+    trials = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+    assert len(trials) == 3 == len(study.trials)
+    for trial in trials:
+        assert set(trial.params) == PARAMS
+        assert set(trial.user_attrs) >= ATTRS
+        attrs = trial.user_attrs
+        assert attrs["effective_batch_size"] == trial.params["target_effective_batch_size"]
+        assert attrs["physical_batch_size"] * attrs["grad_accum_steps"] >= (
+            attrs["effective_batch_size"])
+        assert 0 < attrs["padding_efficiency"] <= 1
+        assert attrs["trial_seconds"] >= attrs["train_seconds"] > 0
+        assert 0.0 <= trial.value <= 1.0
+    assert study.user_attrs["search_space"]["fp_precision"] == ["none"]
+    out = capsys.readouterr().out
+    assert "best trial" in out and "trivial baseline" in out
+    assert out.count(" value ") == 3
+
+
+def test_run_continues_and_stops_at_the_study_total(tiny_study, storage, capsys):
+    assert run(tiny_study, storage, 2) == 0
+    assert run(tiny_study, storage, 2) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert len(load(storage).trials) == 2
+    assert run(tiny_study, storage, 3) == 0
+    assert len(load(storage).trials) == 3
+
+
+def test_oom_above_batch_gives_physical_batch_four_and_a_cached_search(
+    tiny_study, storage, monkeypatch
+):
+    monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "5")
+    assert run(tiny_study, storage, 6) == 0
+    trials = sorted(load(storage).trials, key=lambda t: t.number)
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    probes = defaultdict(list)
+    for trial in trials:
+        assert trial.user_attrs["physical_batch_size"] == 4
+        assert trial.user_attrs["effective_batch_size"] == (
+            trial.params["target_effective_batch_size"])
+        probes[trial.params["model_name"]].append(trial.user_attrs["batch_probes"])
+    assert probes, "no trial ran"
+    for model_probes in probes.values():
+        assert 1 <= model_probes[0] <= 9
+        assert all(p == 0 for p in model_probes[1:])
+
+
+def test_oom_at_step_prunes_every_trial_and_the_worker_goes_on(tiny_study, storage, monkeypatch):
+    monkeypatch.setenv("HPO_FAULT_OOM_AT_STEP", "2")
+    assert run(tiny_study, storage, 4) == 0
+    trials = load(storage).trials
+    assert len(trials) == 4
+    for trial in trials:
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "oom"
+        assert "out of memory" in trial.user_attrs["error"]
+    study = load(storage)
+    lowered = [v for k, v in study.user_attrs.items() if k.startswith("batch_limit:")]
+    assert lowered and all(v["smallest_fail"] is not None for v in lowered)
+
+
+def test_nan_loss_prunes_the_trial(tiny_study, storage, monkeypatch):
+    import math
+
+    import hpo.train
+
+    original = hpo.train.micro_batch_loss
+    monkeypatch.setattr(hpo.train, "micro_batch_loss",
+                        lambda *a, **k: original(*a, **k) * math.nan)
+    assert run(tiny_study, storage, 2) == 0
+    for trial in load(storage).trials:
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "nan_loss"
+
+
+def test_other_errors_fail_the_trial_and_stop_a_failing_worker(tiny_study, storage, monkeypatch,
+                                                              capsys):
+    import hpo.executor
+
+    def broken(*args, **kwargs):
+        raise ValueError("broken collate")
+
+    monkeypatch.setattr(hpo.executor, "train", broken)
+    assert run(tiny_study, storage, 5) == 1
+    trials = load(storage).trials
+    assert len(trials) == 3
+    for trial in trials:
+        assert trial.state == TrialState.FAIL
+        assert trial.user_attrs["error"] == "ValueError: broken collate"
+    assert "3 trials in a row failed; last error: ValueError: broken collate" in (
+        capsys.readouterr().err)
+
+
+def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    assert run(tiny_study, storage, 2, "--set", "training.epochs=3") == 0
+    for trial in load(storage).trials:
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "pruner"
+        assert list(trial.intermediate_values) == [1]
+
+
+def test_a_changed_space_is_refused(tiny_study, storage, capsys):
+    assert run(tiny_study, storage, 1) == 0
+    code = run(tiny_study, storage, 2, "--set", "search_space.learning_rate.low=0.0002")
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "different search space" in err and "\n" not in err

@@ -1,0 +1,111 @@
+"""Bad input: exit code 2, one line on stderr naming the culprit, no traceback, quickly.
+Each case runs the installed `hpo` command in a fresh process, as a user would."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, study_dict
+
+from hpo.hardware import detect, native_precisions
+
+
+def hpo(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hpo.cli", *args], cwd=cwd, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+@pytest.fixture
+def study_file(tmp_path, tiny_model, small_data):
+    def write(change=lambda d: None) -> Path:
+        data = study_dict([tiny_model], small_data)
+        change(data)
+        path = tmp_path / "s.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return write
+
+
+def check_bad_input(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_unknown_study():
+    check_bad_input(hpo("run", "--study", "nosuch", "--n-trials", "1"), "unknown study 'nosuch'")
+
+
+def test_malformed_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data: [unclosed\n")
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"), "bad.yaml",
+                    "malformed YAML")
+
+
+def test_unknown_key_is_named(study_file):
+    path = study_file(lambda d: d["training"].update(learning_rat=1))
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
+                    "unknown key 'training.learning_rat'")
+
+
+@pytest.mark.parametrize("n", ["0", "-1", "many"])
+def test_bad_n_trials(study_file, n):
+    check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", n), "--n-trials")
+
+
+def test_missing_data(study_file, tmp_path):
+    path = study_file(lambda d: d["data"].update(dir=str(tmp_path / "nowhere")))
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"), "nowhere")
+
+
+def test_unloadable_model(study_file, tmp_path):
+    path = study_file(lambda d: d["search_space"].update(model_name=["no-org/no-such-model"]))
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
+                    "model 'no-org/no-such-model' cannot be loaded")
+
+
+def test_unknown_set_key(study_file):
+    check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", "1",
+                        "--set", "training.nope=1"), "unknown key 'training.nope'")
+
+
+def test_unreachable_storage_hides_the_password(study_file):
+    started = time.monotonic()
+    result = hpo("run", "--config", str(study_file()), "--n-trials", "1",
+                 "--storage", "postgresql+psycopg2://hpo:s3cr3t-pw@127.0.0.1:1/hpo")
+    check_bad_input(result, "cannot be opened", "127.0.0.1:1")
+    assert "s3cr3t-pw" not in result.stderr + result.stdout
+    assert time.monotonic() - started < 60
+
+
+def test_unreachable_storage_from_environment(study_file):
+    result = hpo("run", "--config", str(study_file()), "--n-trials", "1",
+                 env={"HPO_STORAGE": "postgresql+psycopg2://u:hunter2@127.0.0.1:1/x"})
+    check_bad_input(result, "cannot be opened")
+    assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_emulated_precision_is_refused(study_file):
+    native = native_precisions(detect("cpu"))
+    emulated = [p for p in ("fp16", "bf16") if p not in native]
+    if not emulated:
+        pytest.skip("this CPU runs every precision natively")
+    path = study_file(lambda d: d["search_space"].update(fp_precision=[emulated[0], "none"]))
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
+                    f"{emulated[0]} is not native on cpu")
+
+
+def test_malformed_fault_variable(study_file):
+    check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", "1",
+                        env={"HPO_FAULT_OOM_AT_STEP": "two"}), "HPO_FAULT_OOM_AT_STEP")

@@ -1,0 +1,144 @@
+import math
+
+import optuna
+import pytest
+import torch
+
+from hpo import memory
+from hpo.memory import BatchLimit, StudyBatchCache
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("anything"),
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: out of memory"),
+        RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if ..."),
+        RuntimeError("CUDNN_STATUS_ALLOC_FAILED"),
+        RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`"),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                     "memory: you tried to allocate 1099511627776 bytes."),
+        RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes"),
+    ],
+)
+def test_oom_is_recognised(exc):
+    assert memory.is_oom(exc)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
+        RuntimeError(),
+        ValueError("CUDA out of memory"),  # only RuntimeErrors carry allocator messages
+        KeyError("x"),
+    ],
+)
+def test_other_errors_are_not_oom(exc):
+    assert not memory.is_oom(exc)
+
+
+def test_real_cpu_allocation_failure_is_oom():
+    try:
+        torch.empty(2**62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        assert memory.is_oom(exc)
+    else:
+        pytest.skip("the allocator accepted 4 EiB")
+
+
+def simulated(limit: int):
+    calls = []
+
+    def step(batch: int) -> None:
+        calls.append(batch)
+        if batch > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory at {batch}")
+
+    return step, calls
+
+
+@pytest.mark.parametrize("limit", [1, 3, 7, 23, 37, 100, 200, 255, 256])
+def test_search_finds_the_limit_within_nine_probes(limit):
+    step, calls = simulated(limit)
+    result = memory.search(step, 256, BatchLimit())
+    assert result.limit.largest_ok == limit
+    assert result.probes == len(calls) <= 9
+    if limit < 256:
+        assert result.limit.smallest_fail == limit + 1
+
+
+def test_search_when_even_one_sample_fails():
+    step, _ = simulated(0)
+    result = memory.search(step, 64, BatchLimit())
+    assert result.limit.largest_ok == 0
+    assert result.limit.smallest_fail == 1
+
+
+def test_known_limit_needs_no_probe():
+    step, calls = simulated(5)
+    first = memory.search(step, 32, BatchLimit())
+    again = memory.search(step, 64, first.limit)
+    assert again.probes == 0 and calls == [32, 16, 8, 4, 6, 5]
+    assert memory.search(step, 4, BatchLimit(8, None)).probes == 0
+
+
+def test_search_continues_from_a_lower_bound():
+    step, calls = simulated(100)
+    result = memory.search(step, 256, BatchLimit(32, None))
+    assert result.limit == BatchLimit(100, 101)
+    assert min(calls) > 32
+
+
+def test_other_errors_in_a_probe_propagate():
+    def step(batch: int) -> None:
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError):
+        memory.search(step, 16, BatchLimit())
+
+
+def test_memory_is_released_after_a_failed_probe(monkeypatch):
+    released = []
+    monkeypatch.setattr(memory, "release_memory", lambda: released.append(True))
+    step, _ = simulated(3)
+    assert not memory.fits(step, 4)
+    assert memory.fits(step, 3)
+    assert len(released) == 2
+
+
+@pytest.mark.parametrize(
+    ("limit", "bound", "expected"),
+    [
+        (BatchLimit(5, 6), 32, 4),  # a GPU that holds 5: margin 0.9 -> 4
+        (BatchLimit(1, 2), 32, 1),  # never below 1
+        (BatchLimit(32, None), 32, 32),  # no limit met below the bound: no margin
+        (BatchLimit(200, 201), 32, 32),  # limit far above the bound
+        (BatchLimit(100, 101), 256, 90),
+    ],
+)
+def test_physical_batch(limit, bound, expected):
+    assert memory.physical_batch(limit, bound, 0.9) == expected
+
+
+def test_eval_batch_is_larger_than_training_batch():
+    assert memory.eval_batch(BatchLimit(5, 6), 4, 32) == 5
+    assert memory.eval_batch(BatchLimit(32, None), 32, 32) == 64
+
+
+def test_merge_keeps_the_tighter_bounds():
+    assert BatchLimit(10, None).merge(BatchLimit(20, 40)) == BatchLimit(20, 40)
+    assert BatchLimit(30, 40).merge(BatchLimit(0, 25)) == BatchLimit(24, 25)
+    assert BatchLimit(16, None).after_oom(16) == BatchLimit(15, 16)
+
+
+def test_study_cache_round_trip_and_lowering():
+    study = optuna.create_study()
+    cache = StudyBatchCache(study)
+    assert cache.get("k") == BatchLimit()
+    cache.update("k", BatchLimit(5, 6))
+    assert StudyBatchCache(study).get("k") == BatchLimit(5, 6)
+    lowered = cache.lower("k", 4)
+    assert lowered == BatchLimit(3, 4)
+    assert memory.physical_batch(lowered, 32, 0.9) == math.floor(0.9 * 3)

@@ -1,0 +1,74 @@
+import optuna
+import pytest
+from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
+
+from hpo.config import SearchSpace
+from hpo.space import PIN_ATTR, SpaceError, pin, resolve_precisions, suggest
+
+
+def space(**changes) -> SearchSpace:
+    base = {
+        "model_name": ["a", "b"],
+        "fp_precision": "auto",
+        "target_effective_batch_size": [16, 32],
+        "learning_rate": {"low": 1e-5, "high": 1e-3, "log": True},
+        "weight_decay": {"low": 0.0, "high": 0.1},
+    }
+    return SearchSpace.model_validate({**base, **changes})
+
+
+def test_auto_resolves_to_native_precisions():
+    assert resolve_precisions("auto", T4) == ("fp16", "none")
+    assert resolve_precisions("auto", A100) == ("fp16", "bf16", "none")
+    assert resolve_precisions("auto", H100) == ("fp16", "bf16", "none")
+    assert resolve_precisions("auto", CPU_AVX2) == ("none",)
+    assert resolve_precisions("auto", CPU_AVX512_BF16) == ("bf16", "none")
+
+
+def test_explicit_emulated_precision_is_refused():
+    with pytest.raises(SpaceError, match="bf16 is not native on cuda \\(Tesla T4"):
+        resolve_precisions(["bf16", "none"], T4)
+    assert resolve_precisions(["fp16"], T4) == ("fp16",)
+
+
+def test_pinned_on_creation_and_reused():
+    study = optuna.create_study(study_name="s")
+    first = pin(study, space(), A100)
+    assert study.user_attrs[PIN_ATTR]["fp_precision"] == ["fp16", "bf16", "none"]
+    assert pin(study, space(), H100) == first
+
+
+def test_a_different_space_is_refused():
+    study = optuna.create_study(study_name="s")
+    pin(study, space(), A100)
+    with pytest.raises(SpaceError, match="different search space.*learning_rate"):
+        pin(study, space(learning_rate={"low": 1e-4, "high": 1e-3, "log": True}), A100)
+
+
+def test_a_device_that_cannot_run_a_pinned_precision_is_refused():
+    study = optuna.create_study(study_name="s")
+    pin(study, space(), A100)
+    with pytest.raises(SpaceError, match="bf16 only by emulation"):
+        pin(study, space(), T4)
+
+
+def test_a_stronger_device_joins_and_searches_the_pinned_precisions():
+    study = optuna.create_study(study_name="s")
+    pin(study, space(), CPU_AVX2)
+    assert pin(study, space(), A100).fp_precision == ("none",)
+
+
+def test_suggest_samples_inside_the_pinned_space():
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    pinned = pin(study, space(), T4)
+    for _ in range(10):
+        trial = study.ask()
+        params = suggest(trial, pinned)
+        assert params.model_name in ("a", "b")
+        assert params.fp_precision in ("fp16", "none")
+        assert params.target_effective_batch_size in (16, 32)
+        assert 1e-5 <= params.learning_rate <= 1e-3
+        assert 0.0 <= params.extras["weight_decay"] <= 0.1
+        assert set(trial.params) == {"model_name", "fp_precision", "target_effective_batch_size",
+                                     "learning_rate", "weight_decay"}
+        study.tell(trial, 0.0)

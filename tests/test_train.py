@@ -1,0 +1,127 @@
+import math
+
+import pytest
+import torch
+from conftest import DEMO_DATA
+
+from hpo.data.batching import Collator, encode
+from hpo.data.redsm5 import read_redsm5
+from hpo.data.tasks import build_examples
+from hpo.hardware import detect
+from hpo.models import ModelStore
+from hpo.train import (
+    NonFiniteLoss,
+    Plan,
+    balanced_pos_weight,
+    micro_batch_loss,
+    predict,
+    prepare,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model):
+    store = ModelStore()
+    tokenizer = store.tokenizer(str(tiny_model))
+    posts = read_redsm5(DEMO_DATA)[:40]
+    data = encode(tokenizer, build_examples(posts, "multilabel"), 48)
+    return store, tokenizer, data
+
+
+def gradients(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_accumulated_gradient_equals_one_big_batch(setup, tiny_model):
+    store, tokenizer, data = setup
+    model = store.build(str(tiny_model), 9, seed=0)
+    model.eval()  # no dropout, so both passes see the same function
+    collate = Collator(data, tokenizer.pad_token_id)
+    weight = balanced_pos_weight(data.labels)
+    indices = list(range(10))
+
+    micro_batch_loss(model, collate(indices), 10, weight).backward()
+    whole = gradients(model)
+    model.zero_grad(set_to_none=True)
+    # Micro-batches of 4, 4 and a smaller last one of 2, each padded to its own length.
+    for micro in (indices[:4], indices[4:8], indices[8:]):
+        micro_batch_loss(model, collate(micro), 10, weight).backward()
+    accumulated = gradients(model)
+    model.zero_grad(set_to_none=True)
+    # Averaging each micro-batch over its own size (a common bug) gives another gradient.
+    for micro in (indices[:4], indices[4:8], indices[8:]):
+        (micro_batch_loss(model, collate(micro), len(micro), weight) / 3).backward()
+    naive = gradients(model)
+
+    assert len(whole) == len(accumulated) > 0
+    for a, b in zip(whole, accumulated, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+               for a, b in zip(whole, naive, strict=True))
+
+
+def test_pos_weight_balances_rare_labels():
+    labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    assert balanced_pos_weight(labels).tolist() == [3.0, 1.0, 1.0]
+
+
+def plan(**changes) -> Plan:
+    base = dict(precision="none", effective_batch=8, physical_batch=3, eval_batch=16,
+                learning_rate=1e-3, weight_decay=0.0, warmup_ratio=0.1, max_grad_norm=1.0,
+                epochs=2, seed=0)
+    return Plan(**{**base, **changes})
+
+
+def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    p = plan()
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    epochs, steps = [], []
+    progress = train(
+        model, data, p, device, pad_id=tokenizer.pad_token_id,
+        evaluate=lambda m: 0.5, on_epoch=lambda e, s: epochs.append((e, s)),
+        on_step=lambda pr: steps.append(pr.step),
+    )
+    assert epochs == [(1, 0.5), (2, 0.5)]
+    assert progress.samples == 2 * (40 // 8) * 8
+    assert p.grad_accum_steps == 3
+    assert 0 < progress.padding_efficiency <= 1
+    assert progress.train_seconds >= progress.step_seconds > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_autocast_precisions_train_on_cpu(setup, tiny_model, precision):
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    p = plan(precision=precision, epochs=1, effective_batch=20, physical_batch=20)
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    before = [t.clone() for t in model.parameters()]
+    train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+          evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    probabilities = predict(model, data, 7, device, precision, tokenizer.pad_token_id)
+    assert probabilities.shape == data.labels.shape
+    assert torch.isfinite(probabilities).all()
+
+
+def test_non_finite_loss_stops_training(setup, tiny_model):
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    p = plan(epochs=1)
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    model.classifier.register_forward_hook(lambda _m, _i, out: out * math.nan)
+    with pytest.raises(NonFiniteLoss, match="loss nan at epoch 1, step 1"):
+        train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+              evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+
+
+def test_too_few_examples_for_one_step(setup, tiny_model):
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    p = plan(effective_batch=64)
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    with pytest.raises(ValueError, match="fewer than one effective batch of 64"):
+        train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+              evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
