@@ -88,7 +88,9 @@ def load_config(args: argparse.Namespace) -> StudyConfig:
 
 def command_run(args: argparse.Namespace) -> int:
     # Imported here so `hpo --help` and bad arguments answer without loading torch.
-    from hpo import hardware, models, study
+    import optuna
+
+    from hpo import hardware, models, space, study
     from hpo.data.redsm5 import label_names, read_redsm5
     from hpo.data.splits import split_posts
     from hpo.data.tasks import build_examples
@@ -106,7 +108,9 @@ def command_run(args: argparse.Namespace) -> int:
     models.quiet_transformers()
     models.check_loadable(config.search_space.model_name, data.max_length)
     device = hardware.detect(config.training.device)
+    space.declare(config.search_space, device)  # refuses emulated precisions before any I/O
     hardware.configure_backends(device)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = study.storage_url(args.storage, config)
     storage = study.open_storage(url)
     optuna_study, pinned = study.join(config, storage, device)

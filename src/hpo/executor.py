@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import optuna
+import psutil
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
@@ -126,6 +127,7 @@ def execute(
         trial.set_user_attr("prune_reason", outcome.prune_reason)
     if outcome.error:
         trial.set_user_attr("error", outcome.error)
+    trial.set_user_attr("worker_rss_mb", round(psutil.Process().memory_info().rss / 2**20, 1))
     trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
     finished = study.tell(trial, outcome.value, state=outcome.state)
     return outcome, finished
@@ -195,7 +197,8 @@ def _run(
     def on_epoch(epoch: int, score: float) -> None:
         reporter.epoch(trial.number, epoch, plan.epochs, score)
         trial.report(score, epoch)
-        if trial.should_prune():
+        # After the last epoch the compute is spent: the result is kept, not pruned.
+        if epoch < plan.epochs and trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
 
     def on_step(progress: Progress) -> None:
