@@ -102,3 +102,26 @@ def copy_demo(tmp_path) -> Path:
     target = tmp_path / "demo"
     shutil.copytree(DEMO_DATA, target, ignore=shutil.ignore_patterns("models"))
     return target
+
+
+@pytest.fixture
+def pg_url() -> str:
+    """A fresh database of its own on the shared PostgreSQL server, dropped afterwards."""
+    from postgres import drop_database, fresh_database
+
+    url = fresh_database()
+    yield url
+    drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_storage(request, tmp_path) -> str:
+    """Each storage backend in turn: the contract tests run against both."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'hpo.db'}"
+        return
+    from postgres import drop_database, fresh_database
+
+    url = fresh_database()
+    yield url
+    drop_database(url)

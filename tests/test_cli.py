@@ -141,3 +141,20 @@ def test_a_changed_space_is_refused(tiny_study, storage, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "different search space" in err and "\n" not in err
+
+
+def test_nli_pairs_task_runs_and_scores_on_the_post_grid(tiny_study, storage):
+    assert run(tiny_study, storage, 1, "--set", "data.task=nli_pairs") == 0
+    (trial,) = load(storage).trials
+    assert trial.state == TrialState.COMPLETE
+    assert set(trial.user_attrs["f1_per_symptom"]) == {
+        "DEPRESSED_MOOD", "ANHEDONIA", "APPETITE_CHANGE", "SLEEP_ISSUES", "PSYCHOMOTOR",
+        "FATIGUE", "WORTHLESSNESS", "COGNITIVE_ISSUES", "SUICIDAL_THOUGHTS"}
+    assert trial.user_attrs["training"]["pos_weight"] == "balanced"
+
+
+def test_gradient_checkpointing_option(tiny_study, storage):
+    assert run(tiny_study, storage, 1, "--set", "training.gradient_checkpointing=true") == 0
+    (trial,) = load(storage).trials
+    assert trial.state == TrialState.COMPLETE
+    assert trial.user_attrs["training"]["gradient_checkpointing"] is True

@@ -49,3 +49,14 @@ def test_loader_settings_follow_the_device():
     assert hardware.loader_settings(CPU_AVX2).num_workers == 0
     gpu = hardware.loader_settings(A100)
     assert gpu.pin_memory and gpu.persistent_workers and gpu.num_workers >= 1
+
+
+def test_backend_flags_on_ampere_only(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    hardware.configure_backends(T4)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
+    hardware.configure_backends(A100)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark

@@ -7,9 +7,15 @@ on stderr naming the culprit; 1 anything unexpected (`--debug` shows its traceba
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
 
 from hpo import config as config_module
 from hpo import faults
@@ -18,7 +24,12 @@ from hpo.data.errors import DataError
 from hpo.faults import FaultConfigError
 from hpo.models import ModelError
 from hpo.space import SpaceError
-from hpo.study import StorageError
+from hpo.storage import StorageError
+
+if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait for it
+    from hpo.data.splits import Splits
+    from hpo.hardware import Device
+    from hpo.storage import ResilientRDBStorage
 
 BAD_INPUT = (ConfigError, DataError, FaultConfigError, ModelError, SpaceError, StorageError)
 EXIT_OK, EXIT_UNEXPECTED, EXIT_BAD_INPUT = 0, 1, 2
@@ -61,46 +72,76 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("run", help="join (or create) a study and run trials")
-    _study_options(run)
+    _study_options(run, required=True)
     run.add_argument("--n-trials", type=_positive_int, default=None,
                      help="study-wide total of finished (COMPLETE + PRUNED) trials")
     run.add_argument("--timeout", type=_positive_float, default=None,
-                     help="start no new trial after this many seconds")
-    run.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+                     help="claim no new trial after this many seconds")
+
+    create = commands.add_parser("create", help="create the study and pin its search space")
+    _study_options(create, required=True)
+
+    status = commands.add_parser("status", help="trial counts, best trial, running trials")
+    _study_options(status, required=True, overrides=False)
+    _format_option(status, default="text")
+
+    best = commands.add_parser("best", help="the best trial's parameters and runtime settings")
+    _study_options(best, required=True, overrides=False)
+    _format_option(best, default="yaml")
+
+    studies = commands.add_parser("studies", help="the studies in a storage")
+    studies.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
+    _format_option(studies, default="text")
+    for command in (run, create, status, best, studies):
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return parser
 
 
-def _study_options(command: argparse.ArgumentParser) -> None:
-    where = command.add_mutually_exclusive_group(required=True)
+def _study_options(command: argparse.ArgumentParser, *, required: bool,
+                   overrides: bool = True) -> None:
+    where = command.add_mutually_exclusive_group(required=required)
     where.add_argument("--study", help="read configs/studies/NAME.yaml")
     where.add_argument("--config", type=Path, help="read this study file")
     command.add_argument("--storage", help="storage URL (else HPO_STORAGE, the file, hpo.db)")
-    command.add_argument("--set", dest="overrides", action="append", default=[],
-                         metavar="KEY=VALUE", help="override a study-file key: training.epochs=2")
+    if overrides:
+        command.add_argument("--set", dest="overrides", action="append", default=[],
+                             metavar="KEY=VALUE", help="override a key: training.epochs=2")
+
+
+def _format_option(command: argparse.ArgumentParser, *, default: str) -> None:
+    command.add_argument("--format", choices=("text", "yaml", "json"), default=default)
 
 
 def load_config(args: argparse.Namespace) -> StudyConfig:
     path = args.config or config_module.study_path(args.study)
     if args.study and not path.is_file():
         raise ConfigError(f"unknown study '{args.study}': {path} not found")
-    return config_module.load(path, args.overrides, name=args.study)
+    overrides = config_module.environment_overrides() + getattr(args, "overrides", [])
+    return config_module.load(path, overrides, name=args.study)
 
 
-def command_run(args: argparse.Namespace) -> int:
-    # Imported here so `hpo --help` and bad arguments answer without loading torch.
+@dataclass(frozen=True)
+class Prepared:
+    """A validated study: config, data splits, device, and the storage it lives in."""
+
+    config: StudyConfig
+    splits: Splits
+    device: Device
+    url: str
+    storage: ResilientRDBStorage
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """Everything checked before any compute: the study file, data, models, the device's
+    precisions, then the storage."""
     import optuna
 
-    from hpo import hardware, models, space, study
-    from hpo.data.redsm5 import label_names, read_redsm5
+    from hpo import hardware, models, space, storage
+    from hpo.data.redsm5 import read_redsm5
     from hpo.data.splits import split_posts
-    from hpo.data.tasks import build_examples
-    from hpo.executor import Worker
-    from hpo.report import ConsoleReporter
 
     config = load_config(args)
     faults.check_environment()
-    if args.n_trials is None:
-        raise UsageError("hpo run: --n-trials is required")
     data = config.data
     posts = read_redsm5(data.dir, special_case=data.special_case)
     splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
@@ -109,14 +150,44 @@ def command_run(args: argparse.Namespace) -> int:
     models.check_loadable(config.search_space.model_name, data.max_length)
     device = hardware.detect(config.training.device)
     space.declare(config.search_space, device)  # refuses emulated precisions before any I/O
-    hardware.configure_backends(device)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = study.storage_url(args.storage, config)
-    storage = study.open_storage(url)
-    optuna_study, pinned = study.join(config, storage, device)
+    url = storage.storage_url(args.storage, config.study.storage)
+    opened = storage.open_storage(
+        url, heartbeat_interval=config.study.heartbeat_interval,
+        grace_period=config.study.grace_period, max_retry=config.study.max_retry,
+    )
+    return Prepared(config, splits, device, url, opened)
 
+
+def command_create(args: argparse.Namespace) -> int:
+    from hpo import study
+    from hpo.storage import redact
+
+    prepared = prepare(args)
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, prepared.device)
+    print(f"study '{optuna_study.study_name}' ready on {redact(prepared.url)}; pinned "
+          f"fp_precision {', '.join(pinned.fp_precision)}; "
+          f"{study.finished_count(optuna_study)} finished trials")
+    return EXIT_OK
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from hpo import hardware, study
+    from hpo.data.redsm5 import label_names
+    from hpo.data.tasks import build_examples
+    from hpo.executor import Worker
+    from hpo.report import ConsoleReporter
+    from hpo.storage import redact
+
+    if args.n_trials is None and args.timeout is None:
+        raise UsageError("hpo run: give --n-trials, --timeout or both")
+    n_trials = args.n_trials if args.n_trials is not None else math.inf
+    prepared = prepare(args)
+    config, device, data, splits = (
+        prepared.config, prepared.device, prepared.config.data, prepared.splits)
+    hardware.configure_backends(device)
+    optuna_study, pinned = study.join(config, prepared.storage, device)
     reporter = ConsoleReporter()
-    names = label_names(data.special_case)
     worker = Worker(
         config=config,
         pinned=pinned,
@@ -125,29 +196,29 @@ def command_run(args: argparse.Namespace) -> int:
         validation_examples=build_examples(
             splits.validation, data.task, special_case=data.special_case
         ),
-        label_names=names,
+        label_names=label_names(data.special_case),
     )
     finished = study.finished_count(optuna_study)
+    budget = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"
     reporter.message(
-        f"study '{config.study.name}' on {study.redact(url)}: {finished}/{args.n_trials} "
-        f"finished; device {device.describe()}; fp_precision searched: "
-        f"{', '.join(pinned.fp_precision)}; data {len(splits.train)} train / "
-        f"{len(splits.validation)} validation posts, task {data.task}, "
-        f"max_length {data.max_length}"
+        f"study '{config.study.name}' on {redact(prepared.url)}: {budget}; "
+        f"device {device.describe()}; fp_precision searched: {', '.join(pinned.fp_precision)}; "
+        f"data {len(splits.train)} train / {len(splits.validation)} validation posts, "
+        f"task {data.task}, max_length {data.max_length}"
     )
-    if finished >= args.n_trials:
+    if finished >= n_trials:
         reporter.message(f"study '{config.study.name}' already has {finished} finished trials "
-                         f"(asked for {args.n_trials}); nothing to do")
+                         f"(asked for {n_trials}); nothing to do")
         reporter.best(optuna_study)
         return EXIT_OK
-    baseline = worker.baseline()
-    optuna_study.set_user_attr(
-        "baseline", {"name": BASELINE, config.study.objective: baseline.get(config.study.objective)}
-    )
+    objective = config.study.objective
+    baseline = worker.baseline().get(objective)
+    optuna_study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
+    optuna_study.set_user_attr("objective", objective)
     try:
         result = study.run_worker(
-            optuna_study, worker, reporter, n_trials=args.n_trials, timeout=args.timeout,
-            max_consecutive_failures=config.study.max_consecutive_failures,
+            optuna_study, prepared.storage, worker, reporter, n_trials=n_trials,
+            timeout=args.timeout, max_consecutive_failures=config.study.max_consecutive_failures,
         )
     except study.WorkerStopped as exc:
         print(f"hpo: worker stopped: {exc}", file=sys.stderr)
@@ -155,14 +226,95 @@ def command_run(args: argparse.Namespace) -> int:
     reporter.message(f"this worker ran {result.ran} trials; the study has "
                      f"{result.finished_after} finished")
     reporter.best(optuna_study)
-    reporter.message(
-        f"trivial baseline ({BASELINE}): {config.study.objective} "
-        f"{baseline.get(config.study.objective):.4f} on the validation split"
-    )
+    reporter.message(f"trivial baseline ({BASELINE}): {objective} {baseline:.4f} "
+                     f"on the validation split")
     return EXIT_OK
 
 
-COMMANDS = {"run": command_run}
+def _open_for_reading(args: argparse.Namespace):
+    """The storage of an existing study: --storage, HPO_STORAGE, the study file, hpo.db."""
+    import optuna
+
+    from hpo import storage
+
+    from_file = None
+    path = getattr(args, "config", None) or (
+        config_module.study_path(args.study) if getattr(args, "study", None) else None)
+    if path is not None and path.is_file():
+        from_file = config_module.load(path, name=getattr(args, "study", None)).study.storage
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage.storage_url(args.storage, from_file)
+    return storage.open_storage(url), url
+
+
+def _load_study(args: argparse.Namespace):
+    import optuna
+
+    opened, url = _open_for_reading(args)
+    name = args.study or config_module.load(args.config).study.name
+    try:
+        return optuna.load_study(study_name=name, storage=opened)
+    except KeyError:
+        from hpo.storage import redact
+
+        raise ConfigError(f"no study '{name}' in {redact(url)}") from None
+
+
+def _dump(data, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(data, indent=2, default=str)
+    return yaml.safe_dump(data, sort_keys=False).rstrip()
+
+
+def command_status(args: argparse.Namespace) -> int:
+    from hpo import summary
+
+    info = summary.status(_load_study(args))
+    if args.format != "text":
+        print(_dump(info, args.format))
+        return EXIT_OK
+    counts = " ".join(f"{state} {n}" for state, n in info["counts"].items())
+    print(f"study '{info['study']}': {counts}")
+    best = info["best"]
+    if best:
+        print(f"best trial {best['trial']}: value {best['value']:.4f} {best['params']}")
+    for trial in info["running"]:
+        print(f"running trial {trial['trial']} on {trial['worker']} for "
+              f"{trial['age_seconds']}s {trial['params']}")
+    return EXIT_OK
+
+
+def command_best(args: argparse.Namespace) -> int:
+    from hpo import summary
+
+    info = summary.best(_load_study(args))
+    if info is None:
+        raise ConfigError(f"study '{args.study or args.config}' has no completed trial yet")
+    print(_dump(info, "yaml" if args.format == "text" else args.format))
+    return EXIT_OK
+
+
+def command_studies(args: argparse.Namespace) -> int:
+    from hpo import summary
+
+    opened, _ = _open_for_reading(args)
+    rows = summary.studies(opened)
+    if args.format != "text":
+        print(_dump(rows, args.format))
+        return EXIT_OK
+    for row in rows:
+        best = f"{row['best_value']:.4f}" if row["best_value"] is not None else "-"
+        print(f"{row['study']}\t{row['trials']} trials\tbest {best}\tstarted {row['started']}")
+    return EXIT_OK
+
+
+COMMANDS = {
+    "run": command_run,
+    "create": command_create,
+    "status": command_status,
+    "best": command_best,
+    "studies": command_studies,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ back as one ConfigError line naming the file and the key.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -116,6 +117,20 @@ class StudySection(_Section):
     objective: Literal["macro_f1", "micro_f1"] = "macro_f1"
     # A worker stops after this many FAILed trials in a row instead of burning the budget.
     max_consecutive_failures: Annotated[int, Field(ge=1)] = 3
+    # A running trial beats every heartbeat_interval seconds; one silent for grace_period is
+    # failed and re-queued, at most max_retry times.
+    heartbeat_interval: Annotated[int, Field(ge=1)] = 30
+    grace_period: Annotated[int, Field(ge=1)] = 120
+    max_retry: Annotated[int, Field(ge=0)] = 2
+
+    @model_validator(mode="after")
+    def _grace(self) -> StudySection:
+        if self.grace_period <= self.heartbeat_interval:
+            raise ValueError(
+                f"grace_period ({self.grace_period}) must exceed heartbeat_interval "
+                f"({self.heartbeat_interval})"
+            )
+        return self
     sampler: SamplerConfig = SamplerConfig()
     pruner: PrunerConfig = PrunerConfig()
 
@@ -168,6 +183,17 @@ class StudyConfig(_Section):
 
 def study_path(name: str) -> Path:
     return STUDIES_DIR / f"{name}.yaml"
+
+
+ENVIRONMENT = {
+    "HPO_HEARTBEAT_INTERVAL": "study.heartbeat_interval",
+    "HPO_GRACE_PERIOD": "study.grace_period",
+}
+
+
+def environment_overrides() -> list[str]:
+    """Overrides from the environment, handy in containers; --set comes after and wins."""
+    return [f"{key}={os.environ[var]}" for var, key in ENVIRONMENT.items() if os.environ.get(var)]
 
 
 def load(path: Path, overrides: list[str] = (), *, name: str | None = None) -> StudyConfig:

@@ -180,6 +180,8 @@ def _run(
     trial.set_user_attr("eval_batch_size", plan.eval_batch)
     trial.set_user_attr("batch_probes", probes)
     trial.set_user_attr("samples_dropped_per_epoch", len(train_data) % plan.effective_batch)
+    # The resolved settings beside the result, enough to repeat the run.
+    trial.set_user_attr("training", training.model_dump(mode="json"))
     reporter.trial_started(trial.number, params, plan, probes)
 
     model = prepare(build(), plan, device)

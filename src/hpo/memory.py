@@ -7,6 +7,8 @@ workers merge by taking the tighter bounds, so concurrent writers cannot widen t
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import math
 from collections.abc import Callable
@@ -44,6 +46,25 @@ def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    _trim_host_heap()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only; musl and macOS have none
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _trim_host_heap() -> None:
+    # glibc keeps the freed activations of every batch shape in its arenas; without a trim a
+    # CPU worker's resident memory ratchets up trial after trial.
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def fits(step: Callable[[int], None], batch: int) -> bool:

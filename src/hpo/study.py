@@ -1,67 +1,34 @@
-"""Storage from a URL, creating or joining a study with its pinned space, and the worker loop
-with its study-wide trial budget."""
+"""Creating or joining a study with its pinned space, and the worker loop: an exact
+study-wide budget, heartbeats for running trials, reaping of trials whose worker went silent."""
 
 from __future__ import annotations
 
-import os
+import contextlib
+import threading
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import optuna
-import sqlalchemy
-from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
+from hpo import budget
 from hpo.config import StudyConfig
 from hpo.executor import Worker, execute
 from hpo.hardware import Device
 from hpo.space import PinnedSpace, pin
+from hpo.storage import ResilientRDBStorage
 
-DEFAULT_STORAGE = "sqlite:///hpo.db"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+# The heartbeat thread below does for ask/tell what Study.optimize does for its own loop.
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+# How often a worker that waits for the study's last trials looks again.
+POLL_SECONDS = 2.0
 
 
-class StorageError(ValueError):
-    """A storage that cannot be opened; str(e) is one line without the password."""
-
-
-def storage_url(option: str | None, config: StudyConfig | None) -> str:
-    """--storage, else HPO_STORAGE, else the study file, else the embedded SQLite file."""
-    for candidate in (option, os.environ.get("HPO_STORAGE"), config and config.study.storage):
-        if candidate:
-            return candidate
-    return DEFAULT_STORAGE
-
-
-def redact(url: str) -> str:
-    try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:
-        return "<unparseable storage URL>"
-
-
-def open_storage(url: str) -> RDBStorage:
-    safe = redact(url)
-    try:
-        parsed = sqlalchemy.engine.make_url(url)
-    except sqlalchemy.exc.ArgumentError:
-        raise StorageError(f"storage URL {safe} is not a database URL") from None
-    engine_kwargs: dict = {}
-    if parsed.get_backend_name() != "sqlite":
-        engine_kwargs = {"pool_pre_ping": True, "pool_size": 2, "max_overflow": 2}
-        if parsed.get_backend_name() == "postgresql":
-            engine_kwargs["connect_args"] = {"connect_timeout": 10}
-    try:
-        return RDBStorage(url, engine_kwargs=engine_kwargs)
-    except Exception as exc:  # drivers raise their own types; all mean "cannot open it"
-        raise StorageError(
-            f"storage {safe} cannot be opened: {_scrub(str(exc), parsed.password)}"
-        ) from None
-
-
-def _scrub(message: str, password: str | None) -> str:
-    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    return first.replace(password, "***") if password else first
+class WorkerStopped(RuntimeError):
+    """The worker gave up: too many trials in a row failed."""
 
 
 def _sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
@@ -85,30 +52,55 @@ def _pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
 
 
 def join(
-    config: StudyConfig, storage: RDBStorage, device: Device
+    config: StudyConfig, storage: ResilientRDBStorage, device: Device
 ) -> tuple[optuna.Study, PinnedSpace]:
-    """Create the study or load it, and the space this worker may search in it."""
-    study = optuna.create_study(
-        storage=storage,
-        study_name=config.study.name,
-        direction="maximize",
-        sampler=_sampler(config),
-        pruner=_pruner(config),
-        load_if_exists=True,
-    )
-    return study, pin(study, config.search_space, device)
+    """Create the study or load it, and the space this worker may search in it. Under the
+    study lock, so that of many workers starting at once exactly one pins the space."""
+    with budget.study_lock(storage.engine, config.study.name):
+        study = optuna.create_study(
+            storage=storage,
+            study_name=config.study.name,
+            direction="maximize",
+            sampler=_sampler(config),
+            pruner=_pruner(config),
+            load_if_exists=True,
+        )
+        return study, pin(study, config.search_space, device)
 
 
 def finished_count(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=FINISHED))
+    return budget.count(study).finished
 
 
-def running_count(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)))
+@contextlib.contextmanager
+def heartbeat(storage: ResilientRDBStorage, trial_id: int) -> Iterator[None]:
+    """Record the trial's heartbeat every interval while it runs, from a background thread,
+    so a long training step cannot make a live trial look dead."""
+    interval = storage.get_heartbeat_interval()
+    if not interval:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            # A beat lost to an outage is not fatal: the next one, or the grace period, copes.
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat(trial_id)
+
+    storage.record_heartbeat(trial_id)
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
-class WorkerStopped(RuntimeError):
-    """The worker gave up: too many trials in a row failed."""
+def reap(study: optuna.Study) -> None:
+    """Fail trials whose worker stopped beating; the retry callback re-queues them."""
+    optuna.storages.fail_stale_trials(study)
 
 
 @dataclass(frozen=True)
@@ -120,37 +112,58 @@ class WorkerResult:
 
 def run_worker(
     study: optuna.Study,
+    storage: ResilientRDBStorage,
     worker: Worker,
     reporter,
     *,
-    n_trials: int,
+    n_trials: float,
     timeout: float | None = None,
     max_consecutive_failures: int = 3,
+    poll_seconds: float = POLL_SECONDS,
 ) -> WorkerResult:
-    """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials, or
-    until `timeout` seconds have passed (a running trial is not cut short). Failed trials do
-    not count towards the total; `max_consecutive_failures` of them in a row stop the worker."""
+    """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials.
+
+    While the last trials run on other workers this worker waits, reaping stale trials, and
+    takes over a slot that frees up (a failed trial, a re-queued retry). `timeout` stops it
+    from claiming new trials; `max_consecutive_failures` FAILed trials in a row stop it.
+    """
     started = time.monotonic()
     before = finished_count(study)
-    ran = 0
-    failures = 0
-    while finished_count(study) + running_count(study) < n_trials:
-        if timeout is not None and time.monotonic() - started >= timeout:
-            reporter.message(f"timeout of {timeout:g}s reached")
-            break
-        trial = study.ask()
-        try:
-            outcome, finished = execute(study, trial, worker, reporter)
-        except KeyboardInterrupt:
-            # Leave no trial RUNNING behind an interrupted worker.
-            if trial.number not in {t.number for t in study.get_trials(states=FINISHED)}:
-                study.tell(trial, state=TrialState.FAIL)
-            raise
+    ran = failures = 0
+    waiting_said = False
+    while True:
+        reap(study)
+        with budget.study_lock(storage.engine, study.study_name):
+            counts = budget.count(study)
+            if counts.finished >= n_trials:
+                break
+            if timeout is not None and time.monotonic() - started >= timeout:
+                reporter.message(f"timeout of {timeout:g}s reached")
+                break
+            trial = study.ask() if budget.may_claim(counts, n_trials) else None
+        if trial is None:
+            if not waiting_said:
+                reporter.message(f"waiting for {counts.running} running trial(s) of other "
+                                 f"workers ({counts.finished}/{n_trials:g} finished)")
+                waiting_said = True
+            time.sleep(poll_seconds)
+            continue
+        waiting_said = False
+        # Set by Optuna's retry callback on the re-queued copy of a stale trial.
+        retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
+        if retried is not None:
+            trial.set_user_attr("retry_of", retried)
+        with heartbeat(storage, trial._trial_id):
+            try:
+                outcome, finished = execute(study, trial, worker, reporter)
+            except KeyboardInterrupt:
+                # Leave no trial RUNNING behind an interrupted worker.
+                with contextlib.suppress(Exception):
+                    study.tell(trial, state=TrialState.FAIL)
+                raise
         ran += 1
         reporter.trial_finished(finished, outcome)
         failures = failures + 1 if outcome.state == TrialState.FAIL else 0
         if failures >= max_consecutive_failures:
-            raise WorkerStopped(
-                f"{failures} trials in a row failed; last error: {outcome.error}"
-            )
+            raise WorkerStopped(f"{failures} trials in a row failed; last error: {outcome.error}")
     return WorkerResult(ran, before, finished_count(study))

@@ -84,7 +84,10 @@ def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Modu
     model.to(device.torch_device)
     faults.install(model)
     if plan.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed it; older releases only know the first name.
+        enable = getattr(model, "activation_checkpointing_enable", None) or (
+            model.gradient_checkpointing_enable)
+        enable()
     model.train()
     if plan.compile:
         return torch.compile(model, dynamic=True)

@@ -43,8 +43,9 @@ def encode(tokenizer, examples: Sequence[Example], max_length: int) -> Encoded:
     encoded = tokenizer(
         texts,
         pairs if has_pairs else None,
-        # Only the post is cut; the criterion of a pair is short and must stay whole.
-        truncation="only_first" if has_pairs else True,
+        # Cuts the longer side token by token: the post, unless max_length is so short that
+        # the criterion alone overflows it (where "only_first" would raise).
+        truncation="longest_first",
         max_length=max_length,
         padding=False,
     )

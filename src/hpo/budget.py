@@ -1,0 +1,106 @@
+"""The study-wide trial budget, kept exactly by many workers.
+
+Optuna's MaxTrialsCallback checks the count after a trial, so N workers overshoot by up to
+N - 1. Here a worker claims a trial inside a lock shared through the database (a PostgreSQL
+advisory lock; a file lock beside an SQLite file) and only when COMPLETE + PRUNED + RUNNING +
+WAITING trials stay below the budget: a failed trial frees its slot, so another is made up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+import sqlalchemy
+from optuna.trial import TrialState
+
+from hpo.storage import OUTAGE_SECONDS, retrying
+
+_LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
+
+
+@dataclass(frozen=True)
+class Counts:
+    complete: int = 0
+    pruned: int = 0
+    running: int = 0
+    waiting: int = 0
+    failed: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.complete + self.pruned
+
+    @property
+    def claimed(self) -> int:
+        return self.finished + self.running + self.waiting
+
+
+def count(study: optuna.Study) -> Counts:
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    return Counts(
+        complete=states.count(TrialState.COMPLETE),
+        pruned=states.count(TrialState.PRUNED),
+        running=states.count(TrialState.RUNNING),
+        waiting=states.count(TrialState.WAITING),
+        failed=states.count(TrialState.FAIL),
+    )
+
+
+def may_claim(counts: Counts, budget: float) -> bool:
+    """A waiting trial (a retry) is always taken: it already holds a slot of the budget."""
+    return counts.waiting > 0 or counts.claimed < budget
+
+
+@contextlib.contextmanager
+def study_lock(engine: sqlalchemy.Engine, study_name: str) -> Iterator[None]:
+    """Mutual exclusion among all workers of one study, wherever they run."""
+    backend = engine.url.get_backend_name()
+    if backend == "postgresql":
+        with _advisory_lock(engine, study_name):
+            yield
+    elif backend == "sqlite" and engine.url.database not in (None, "", ":memory:"):
+        with _file_lock(Path(engine.url.database).with_suffix(".hpo-lock")):
+            yield
+    else:
+        # An in-memory SQLite database lives in one process: a thread lock is enough there.
+        with _process_lock:
+            yield
+
+
+_process_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _advisory_lock(engine: sqlalchemy.Engine, study_name: str) -> Iterator[None]:
+    key = _LOCK_NAMESPACE << 32 | zlib.crc32(study_name.encode())
+    key -= 1 << 63 if key >= 1 << 63 else 0  # bigint is signed
+    # A session-level lock on its own connection: released on unlock, or by the server when
+    # the connection dies with its worker, so a killed worker never holds it.
+    connection = retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock")
+    try:
+        connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        try:
+            yield
+        finally:
+            with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+    finally:
+        with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+            connection.close()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

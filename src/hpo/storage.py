@@ -1,0 +1,158 @@
+"""Optuna RDB storage from a URL: the embedded SQLite default, PostgreSQL for many workers.
+
+A worker outlives short database outages: every storage call that fails for want of a
+connection is retried with bounded exponential backoff, so a result computed during an outage
+is written once the database is back rather than dropped. Passwords never leave this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import optuna
+import sqlalchemy
+from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from sqlalchemy import exc as sa_exc
+
+DEFAULT_STORAGE = "sqlite:///hpo.db"
+# How long a call waits for the database to come back before the worker gives up.
+OUTAGE_SECONDS = 300.0
+# How long a worker waits for an unreachable database at start before exit code 2.
+START_SECONDS = 15.0
+MAX_BACKOFF = 10.0
+
+T = TypeVar("T")
+
+
+class StorageError(ValueError):
+    """A storage that cannot be opened; str(e) is one line without the password."""
+
+
+def storage_url(option: str | None, from_file: str | None) -> str:
+    """--storage, else HPO_STORAGE, else the study file, else the embedded SQLite file."""
+    for candidate in (option, os.environ.get("HPO_STORAGE"), from_file):
+        if candidate:
+            return candidate
+    return DEFAULT_STORAGE
+
+
+def redact(url: str) -> str:
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except sa_exc.ArgumentError:
+        return "<unparseable storage URL>"
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """True for errors that mean "the database is not reachable right now"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, sa_exc.OperationalError | sa_exc.InterfaceError):
+            return True
+        if isinstance(seen, sa_exc.DBAPIError) and seen.connection_invalidated:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def retrying(call: Callable[[], T], *, seconds: float, what: str) -> T:
+    """Run `call`, retrying connection errors with jittered exponential backoff."""
+    deadline = time.monotonic() + seconds
+    delay = 0.5
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not is_connection_error(exc) or time.monotonic() + delay > deadline:
+                raise
+            optuna.logging.get_logger("hpo").warning(
+                "storage unreachable during %s; retrying in %.1fs", what, delay
+            )
+        time.sleep(delay * random.uniform(0.8, 1.2))
+        delay = min(MAX_BACKOFF, delay * 2)
+
+
+def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapper(self: ResilientRDBStorage, *args: Any, **kwargs: Any) -> Any:
+        return retrying(lambda: method(self, *args, **kwargs), seconds=self.outage_seconds,
+                        what=method.__name__)
+
+    return wrapper
+
+
+class ResilientRDBStorage(RDBStorage):
+    """RDBStorage whose calls wait out a database outage instead of failing the worker."""
+
+    outage_seconds = OUTAGE_SECONDS
+
+
+for _name in (
+    "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
+    "get_study_id_from_name", "get_study_name_from_id", "get_study_directions",
+    "get_study_user_attrs", "get_study_system_attrs", "get_all_studies", "create_new_trial",
+    "set_trial_param", "get_trial_id_from_study_id_trial_number", "set_trial_state_values",
+    "set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr",
+    "get_trial", "get_all_trials", "get_n_trials", "get_best_trial", "record_heartbeat",
+    "_get_stale_trial_ids", "check_trial_is_updatable",
+):
+    setattr(ResilientRDBStorage, _name, _resilient(getattr(RDBStorage, _name)))
+
+
+def open_storage(
+    url: str,
+    *,
+    heartbeat_interval: int | None = None,
+    grace_period: int | None = None,
+    max_retry: int = 2,
+    start_seconds: float = START_SECONDS,
+) -> ResilientRDBStorage:
+    """Open (creating its tables if needed) the storage at `url`.
+
+    Many workers may start at once on an empty database: creating the schema races, and the
+    loser sees an integrity or programming error; it simply tries again.
+    """
+    safe = redact(url)
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sa_exc.ArgumentError:
+        raise StorageError(f"storage URL {safe} is not a database URL") from None
+    engine_kwargs: dict[str, Any] = {}
+    backend = parsed.get_backend_name()
+    if backend != "sqlite":
+        engine_kwargs = {"pool_pre_ping": True, "pool_size": 2, "max_overflow": 4,
+                         "pool_recycle": 1800}
+        if backend == "postgresql":
+            engine_kwargs["connect_args"] = {"connect_timeout": 5}
+    callback = RetryFailedTrialCallback(max_retry=max_retry) if heartbeat_interval else None
+    deadline = time.monotonic() + start_seconds
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return ResilientRDBStorage(
+                url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period, failed_trial_callback=callback,
+            )
+        except ModuleNotFoundError as exc:
+            raise StorageError(f"storage {safe}: database driver missing ({exc.name})") from None
+        except Exception as exc:
+            racing = isinstance(exc, sa_exc.IntegrityError | sa_exc.ProgrammingError)
+            reachable_later = is_connection_error(exc) or racing
+            if not reachable_later or time.monotonic() >= deadline:
+                waited = f" after {attempt} attempts" if attempt > 1 else ""
+                raise StorageError(
+                    f"storage {safe} cannot be opened{waited}: "
+                    f"{_scrub(str(exc), parsed.password)}"
+                ) from None
+        time.sleep(min(2.0, 0.2 * attempt) * random.uniform(0.5, 1.5))
+
+
+def _scrub(message: str, password: str | None) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return first.replace(password, "***") if password else first

@@ -1,0 +1,75 @@
+"""What a study holds, for `hpo status`, `hpo best` and `hpo studies`: plain data that the CLI
+prints as a table, YAML or JSON."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from hpo.budget import count
+
+# What a final training run needs besides the sampled parameters.
+RUNTIME_ATTRS = (
+    "physical_batch_size", "grad_accum_steps", "effective_batch_size", "eval_batch_size",
+    "device",
+)
+
+
+def best(study: optuna.Study) -> dict[str, Any] | None:
+    try:
+        trial = study.best_trial
+    except ValueError:
+        return None
+    attrs = trial.user_attrs
+    return {
+        "study": study.study_name,
+        "trial": trial.number,
+        "value": trial.value,
+        "objective": study.user_attrs.get("objective", "macro_f1"),
+        "params": dict(trial.params),
+        "runtime": {
+            "fp_precision": trial.params.get("fp_precision"),
+            **{name: attrs[name] for name in RUNTIME_ATTRS if name in attrs},
+        },
+        "training": attrs.get("training", {}),
+        "scores": {k: attrs[k] for k in ("macro_f1", "micro_f1", "f1_per_symptom") if k in attrs},
+    }
+
+
+def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[str, Any]:
+    now = now or datetime.datetime.now()
+    counts = count(study)
+    running = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        started = trial.datetime_start or now
+        running.append({
+            "trial": trial.number,
+            "worker": trial.user_attrs.get("worker", "?"),
+            "age_seconds": round((now - started).total_seconds()),
+            "params": dict(trial.params),
+        })
+    return {
+        "study": study.study_name,
+        "counts": {"COMPLETE": counts.complete, "PRUNED": counts.pruned,
+                   "RUNNING": counts.running, "WAITING": counts.waiting, "FAIL": counts.failed},
+        "best": best(study),
+        "running": running,
+    }
+
+
+def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
+    rows = []
+    for frozen in optuna.get_all_study_summaries(storage, include_best_trial=True):
+        best_value = frozen.best_trial.value if frozen.best_trial else None
+        rows.append({
+            "study": frozen.study_name,
+            "direction": frozen.direction.name,
+            "trials": frozen.n_trials,
+            "best_value": best_value,
+            "started": frozen.datetime_start.isoformat(" ", "seconds")
+            if frozen.datetime_start else None,
+        })
+    return rows
