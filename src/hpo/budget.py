@@ -83,14 +83,25 @@ def _advisory_lock(engine: sqlalchemy.Engine, study_name: str) -> Iterator[None]
     key -= 1 << 63 if key >= 1 << 63 else 0  # bigint is signed
     # A session-level lock on its own connection: released on unlock, or by the server when
     # the connection dies with its worker, so a killed worker never holds it.
-    connection = retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock")
+    def acquire() -> sqlalchemy.Connection:
+        connection = engine.connect()
+        try:
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        except Exception:
+            connection.close()
+            raise
+        return connection
+
+    connection = retrying(acquire, seconds=OUTAGE_SECONDS, what="lock")
     try:
-        connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
         try:
             yield
         finally:
-            with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+            try:
                 connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            except sqlalchemy.exc.SQLAlchemyError:
+                # Never hand a connection that may still hold the lock back to the pool.
+                connection.invalidate()
     finally:
         with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
             connection.close()

@@ -91,15 +91,31 @@ class ResilientRDBStorage(RDBStorage):
 
     outage_seconds = OUTAGE_SECONDS
 
+    def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
+        attempts = 0
+
+        def attempt() -> bool:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return RDBStorage.set_trial_state_values(self, trial_id, state, values)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # The first attempt committed but its answer was lost with the connection.
+                if attempts > 1 and self.get_trial(trial_id).state == state:
+                    return True
+                raise
+
+        return retrying(attempt, seconds=self.outage_seconds, what="set_trial_state_values")
+
 
 for _name in (
     "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
     "get_study_id_from_name", "get_study_name_from_id", "get_study_directions",
     "get_study_user_attrs", "get_study_system_attrs", "get_all_studies", "create_new_trial",
-    "set_trial_param", "get_trial_id_from_study_id_trial_number", "set_trial_state_values",
+    "set_trial_param", "get_trial_id_from_study_id_trial_number",
     "set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr",
     "get_trial", "get_all_trials", "get_n_trials", "get_best_trial", "record_heartbeat",
-    "_get_stale_trial_ids", "check_trial_is_updatable",
+    "_get_stale_trial_ids", "check_trial_is_updatable", "get_trial_system_attrs",
 ):
     setattr(ResilientRDBStorage, _name, _resilient(getattr(RDBStorage, _name)))
 
