@@ -172,10 +172,8 @@ def command_create(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from hpo import hardware, study
-    from hpo.data.redsm5 import label_names
-    from hpo.data.tasks import build_examples
-    from hpo.executor import Worker
+    from hpo import hardware, isolation, study
+    from hpo.executor import make_worker
     from hpo.report import ConsoleReporter
     from hpo.storage import redact
 
@@ -188,16 +186,7 @@ def command_run(args: argparse.Namespace) -> int:
     hardware.configure_backends(device)
     optuna_study, pinned = study.join(config, prepared.storage, device)
     reporter = ConsoleReporter()
-    worker = Worker(
-        config=config,
-        pinned=pinned,
-        device=device,
-        train_examples=build_examples(splits.train, data.task, special_case=data.special_case),
-        validation_examples=build_examples(
-            splits.validation, data.task, special_case=data.special_case
-        ),
-        label_names=label_names(data.special_case),
-    )
+    worker = make_worker(config, pinned, device, splits)
     finished = study.finished_count(optuna_study)
     budget = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"
     reporter.message(
@@ -215,9 +204,13 @@ def command_run(args: argparse.Namespace) -> int:
     baseline = worker.baseline().get(objective)
     optuna_study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
     optuna_study.set_user_attr("objective", objective)
+    run_trial = (
+        isolation.in_child(config, pinned, device, prepared.url, prepared.storage)
+        if config.training.isolate_trials else study.in_process(worker, reporter)
+    )
     try:
         result = study.run_worker(
-            optuna_study, prepared.storage, worker, reporter, n_trials=n_trials,
+            optuna_study, prepared.storage, run_trial, reporter, n_trials=n_trials,
             timeout=args.timeout, max_consecutive_failures=config.study.max_consecutive_failures,
         )
     except study.WorkerStopped as exc:

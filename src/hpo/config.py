@@ -165,6 +165,8 @@ class TrainingConfig(_Section):
     compile: bool = False
     seed: int = 42
     device: str = "auto"
+    # Each trial in a fresh child process: a library that leaks cannot poison the next trial.
+    isolate_trials: bool = False
 
 
 class StudyConfig(_Section):

@@ -22,7 +22,9 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import memory, metrics
 from hpo.config import StudyConfig
 from hpo.data.batching import Encoded, encode
-from hpo.data.tasks import Example
+from hpo.data.redsm5 import label_names, read_redsm5
+from hpo.data.splits import Splits, split_posts
+from hpo.data.tasks import Example, build_examples
 from hpo.hardware import Device, library_versions
 from hpo.models import ModelStore
 from hpo.space import Params, PinnedSpace, suggest
@@ -86,6 +88,27 @@ class Worker:
 
     def baseline(self) -> metrics.Scores:
         return metrics.all_positive_baseline(self.gold(), self.label_names)
+
+
+def make_worker(
+    config: StudyConfig, pinned: PinnedSpace, device: Device, splits: Splits | None = None
+) -> Worker:
+    """A worker for this study's data, reading and splitting it unless `splits` is given."""
+    data = config.data
+    if splits is None:
+        posts = read_redsm5(data.dir, special_case=data.special_case)
+        splits = split_posts(posts, validation=data.validation_fraction,
+                             test=data.test_fraction, seed=data.split_seed)
+    return Worker(
+        config=config,
+        pinned=pinned,
+        device=device,
+        train_examples=build_examples(splits.train, data.task, special_case=data.special_case),
+        validation_examples=build_examples(
+            splits.validation, data.task, special_case=data.special_case
+        ),
+        label_names=label_names(data.special_case),
+    )
 
 
 def cache_key(params: Params, max_length: int, device: Device) -> str:

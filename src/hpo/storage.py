@@ -11,12 +11,13 @@ import functools
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
-from optuna.storages import RDBStorage, RetryFailedTrialCallback
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from sqlalchemy import exc as sa_exc
 
 DEFAULT_STORAGE = "sqlite:///hpo.db"
@@ -27,6 +28,10 @@ START_SECONDS = 15.0
 MAX_BACKOFF = 10.0
 
 T = TypeVar("T")
+
+# Heartbeats and their retry callback are marked experimental in Optuna 5; they are the
+# documented way to reap dead workers' trials, and a worker's log is no place for the notice.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
 class StorageError(ValueError):
@@ -145,7 +150,9 @@ def open_storage(
                          "pool_recycle": 1800}
         if backend == "postgresql":
             engine_kwargs["connect_args"] = {"connect_timeout": 5}
-    callback = RetryFailedTrialCallback(max_retry=max_retry) if heartbeat_interval else None
+    callback = (
+        RetryHeartbeatStaleTrialCallback(max_retry=max_retry) if heartbeat_interval else None
+    )
     deadline = time.monotonic() + start_seconds
     attempt = 0
     while True:
@@ -153,7 +160,7 @@ def open_storage(
         try:
             return ResilientRDBStorage(
                 url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                grace_period=grace_period, failed_trial_callback=callback,
+                grace_period=grace_period, heartbeat_stale_trial_callback=callback,
             )
         except ModuleNotFoundError as exc:
             raise StorageError(f"storage {safe}: database driver missing ({exc.name})") from None

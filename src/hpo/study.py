@@ -7,15 +7,15 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from hpo import budget
 from hpo.config import StudyConfig
-from hpo.executor import Worker, execute
+from hpo.executor import Outcome, Worker, execute
 from hpo.hardware import Device
 from hpo.space import PinnedSpace, pin
 from hpo.storage import ResilientRDBStorage
@@ -40,7 +40,7 @@ def _sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
     )
 
 
-def _pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
+def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
     pruner = config.study.pruner
     if pruner.name == "median":
         return optuna.pruners.MedianPruner(
@@ -62,7 +62,7 @@ def join(
             study_name=config.study.name,
             direction="maximize",
             sampler=_sampler(config),
-            pruner=_pruner(config),
+            pruner=make_pruner(config),
             load_if_exists=True,
         )
         return study, pin(study, config.search_space, device)
@@ -110,10 +110,17 @@ class WorkerResult:
     finished_after: int
 
 
+TrialRunner = Callable[[optuna.Study, optuna.Trial], tuple[Outcome, FrozenTrial]]
+
+
+def in_process(worker: Worker, reporter) -> TrialRunner:
+    return lambda study, trial: execute(study, trial, worker, reporter)
+
+
 def run_worker(
     study: optuna.Study,
     storage: ResilientRDBStorage,
-    worker: Worker,
+    run_trial: TrialRunner,
     reporter,
     *,
     n_trials: float,
@@ -155,7 +162,7 @@ def run_worker(
             trial.set_user_attr("retry_of", retried)
         with heartbeat(storage, trial._trial_id):
             try:
-                outcome, finished = execute(study, trial, worker, reporter)
+                outcome, finished = run_trial(study, trial)
             except KeyboardInterrupt:
                 # Leave no trial RUNNING behind an interrupted worker.
                 with contextlib.suppress(Exception):
