@@ -36,7 +36,7 @@ def objective(trial: optuna.Trial) -> float:
     return x
 
 
-def plain_worker(url: str, trials: int, start: multiprocessing.Event) -> None:
+def plain_worker(url: str, trials: int, start) -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
     study = optuna.create_study(study_name="bench", storage=storage, load_if_exists=True,
@@ -46,7 +46,7 @@ def plain_worker(url: str, trials: int, start: multiprocessing.Event) -> None:
         MaxTrialsCallback(trials, states=(TrialState.COMPLETE, TrialState.PRUNED))])
 
 
-def hpo_worker(url: str, trials: int, start: multiprocessing.Event) -> None:
+def hpo_worker(url: str, trials: int, start) -> None:
     from hpo import study as hpo_study
     from hpo.executor import Outcome
     from hpo.storage import open_storage
@@ -90,14 +90,15 @@ def measure(target, workers: int, trials: int) -> tuple[float, int]:
     try:
         optuna.storages.RDBStorage(url)  # the schema, outside the timed part
         context = multiprocessing.get_context("spawn")
-        start = context.Event()
+        # Every worker has imported its libraries and opened its storage when all reach the
+        # barrier; only what follows is timed.
+        start = context.Barrier(workers + 1)
         procs = [context.Process(target=target, args=(url, trials, start))
                  for _ in range(workers)]
         for p in procs:
             p.start()
-        time.sleep(8)  # imports and connections, outside the timed part
+        start.wait()
         began = time.perf_counter()
-        start.set()
         for p in procs:
             p.join()
         elapsed = time.perf_counter() - began

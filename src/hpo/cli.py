@@ -56,6 +56,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -92,7 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     studies = commands.add_parser("studies", help="the studies in a storage")
     studies.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
     _format_option(studies, default="text")
-    for command in (run, create, status, best, studies):
+    dashboard = commands.add_parser("dashboard", help="optuna-dashboard on the storage")
+    dashboard.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
+    dashboard.add_argument("--host", default="127.0.0.1",
+                           help="interface to bind (the dashboard has no authentication)")
+    dashboard.add_argument("--port", type=_port, default=8080)
+
+    hardware = commands.add_parser(
+        "hardware", help="what the device supports, measured step time per precision")
+    hardware.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    hardware.add_argument("--steps", type=_positive_int, default=3,
+                          help="timed training steps per precision")
+    for command in (run, create, status, best, studies, dashboard, hardware):
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return parser
 
@@ -301,12 +319,38 @@ def command_studies(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def command_dashboard(args: argparse.Namespace) -> int:
+    import optuna_dashboard
+
+    from hpo.storage import redact
+
+    opened, url = _open_for_reading(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"hpo: warning: optuna-dashboard has no authentication and binds {args.host}; "
+              f"anyone who can reach port {args.port} can read and edit the studies",
+              file=sys.stderr)
+    print(f"optuna-dashboard for {redact(url)} on http://{args.host}:{args.port}/dashboard "
+          f"(Ctrl-C stops it)", flush=True)
+    optuna_dashboard.run_server(opened, host=args.host, port=args.port)
+    return EXIT_OK
+
+
+def command_hardware(args: argparse.Namespace) -> int:
+    from hpo import hardware, hardware_check
+
+    device = hardware.detect(args.device)
+    print(hardware_check.render(hardware_check.inspect(device, steps=args.steps)))
+    return EXIT_OK
+
+
 COMMANDS = {
     "run": command_run,
     "create": command_create,
     "status": command_status,
     "best": command_best,
     "studies": command_studies,
+    "dashboard": command_dashboard,
+    "hardware": command_hardware,
 }
 
 

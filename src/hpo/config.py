@@ -26,6 +26,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _check_range(low: float, high: float, log: bool) -> None:
+    if low > high:
+        raise ValueError(f"low ({low}) is greater than high ({high})")
+    if log and low <= 0:
+        raise ValueError(f"log scale needs low > 0, got {low}")
+
+
 class FloatRange(_Section):
     low: float
     high: float
@@ -33,10 +40,7 @@ class FloatRange(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> FloatRange:
-        if self.low > self.high:
-            raise ValueError(f"low ({self.low}) is greater than high ({self.high})")
-        if self.log and self.low <= 0:
-            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        _check_range(self.low, self.high, self.log)
         return self
 
 
@@ -48,10 +52,7 @@ class IntRange(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> IntRange:
-        if self.low > self.high:
-            raise ValueError(f"low ({self.low}) is greater than high ({self.high})")
-        if self.log and self.low <= 0:
-            raise ValueError(f"log scale needs low > 0, got {self.low}")
+        _check_range(self.low, self.high, self.log)
         if self.log and self.step != 1:
             raise ValueError("log scale and step cannot be combined")
         return self

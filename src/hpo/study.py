@@ -4,6 +4,7 @@ study-wide budget, heartbeats for running trials, reaping of trials whose worker
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import warnings
@@ -136,12 +137,19 @@ def run_worker(
     """
     started = time.monotonic()
     before = finished_count(study)
+    study_id = storage.get_study_id_from_name(study.study_name)
+    reap_every = storage.get_heartbeat_interval() or poll_seconds
     ran = failures = 0
     waiting_said = False
+    last_reap = -math.inf
     while True:
-        reap(study)
-        with budget.study_lock(storage.engine, study.study_name):
-            counts = budget.count(study)
+        # Reaping reads every running trial's heartbeat: once per heartbeat interval is
+        # enough, since nothing can turn stale faster than that.
+        if time.monotonic() - last_reap >= reap_every:
+            reap(study)
+            last_reap = time.monotonic()
+        with budget.study_lock(storage.engine, study.study_name) as connection:
+            counts = budget.count_in_database(connection, study_id)
             if counts.finished >= n_trials:
                 break
             if timeout is not None and time.monotonic() - started >= timeout:
@@ -156,10 +164,12 @@ def run_worker(
             time.sleep(poll_seconds)
             continue
         waiting_said = False
-        # Set by Optuna's retry callback on the re-queued copy of a stale trial.
-        retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
-        if retried is not None:
-            trial.set_user_attr("retry_of", retried)
+        if counts.waiting:
+            # Optuna's retry callback marks the re-queued copy of a stale trial; only a
+            # waiting trial can be one, and ask() takes waiting trials first.
+            retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
+            if retried is not None:
+                trial.set_user_attr("retry_of", retried)
         with heartbeat(storage, trial._trial_id):
             try:
                 outcome, finished = run_trial(study, trial)

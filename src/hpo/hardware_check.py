@@ -1,0 +1,149 @@
+"""`hpo hardware`: what this device supports, a short measured training step per precision,
+and which precisions `fp_precision: auto` will search here, with the reason."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from hpo.hardware import PRECISIONS, Device, native_precisions
+
+NATIVE, EMULATED, UNSUPPORTED = "native", "emulated", "unsupported"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    precision: str
+    step_seconds: float
+    speedup: float  # fp32 step time / this step time
+    peak_memory_mb: float
+
+
+@dataclass(frozen=True)
+class Report:
+    device: Device
+    support: dict[str, str]  # fp16, bf16, tf32 -> native | emulated | unsupported
+    measurements: tuple[Measurement, ...]
+    searched: tuple[str, ...]
+    reasons: dict[str, str]
+
+
+def support(device: Device) -> dict[str, str]:
+    """Autocast runs fp16 and bf16 on every CUDA card and every CPU; where the hardware lacks
+    the instructions it is emulated, which is slower than fp32."""
+    native = native_precisions(device)
+    result = {p: NATIVE if p in native else EMULATED for p in ("fp16", "bf16")}
+    result["tf32"] = NATIVE if device.tf32 else UNSUPPORTED
+    return result
+
+
+def reasons(device: Device) -> dict[str, str]:
+    native = native_precisions(device)
+    if device.type == "cuda":
+        cc = ".".join(map(str, device.compute_capability or (0, 0)))
+        why = {
+            "fp16": f"fp16 tensor cores on compute capability {cc}" if "fp16" in native
+            else f"compute capability {cc} has no fast fp16",
+            "bf16": f"bf16 tensor cores on compute capability {cc} (8.0+)" if "bf16" in native
+            else f"compute capability {cc} is below 8.0: bf16 would be emulated",
+        }
+    else:
+        flags = device.cpu_flags
+        why = {
+            "fp16": "AVX512-FP16/AMX-FP16 instructions" if "fp16" in native
+            else "no AVX512-FP16 or AMX-FP16: fp16 would be emulated",
+            "bf16": "AVX512-BF16/AMX-BF16 instructions" if "bf16" in native
+            else "no AVX512-BF16 or AMX-BF16: bf16 would be emulated",
+        }
+        if not flags:
+            why = {p: f"{p}: CPU flags unknown, assumed not native" for p in ("fp16", "bf16")}
+    why["none"] = "fp32 runs everywhere"
+    return why
+
+
+def measure(device: Device, steps: int = 3, batch: int = 16, length: int = 64) -> tuple[
+    Measurement, ...
+]:
+    """Time `steps` training steps of a small BERT per precision, after one warm-up step."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hpo.train import autocast, optimizer_step
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=8000, hidden_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=1024, num_labels=9)
+    inputs = {
+        "input_ids": torch.randint(0, 8000, (batch, length)),
+        "attention_mask": torch.ones((batch, length), dtype=torch.long),
+    }
+    inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+    labels = torch.zeros((batch, 9), device=device.torch_device)
+    results: dict[str, tuple[float, float]] = {}
+    for precision in ("none", "bf16", "fp16"):
+        model = BertForSequenceClassification(config).to(device.torch_device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        before = _memory(device, reset=True)
+        peak = before
+        elapsed = 0.0
+        for step in range(steps + 1):
+            started = time.perf_counter()
+            with autocast(device, precision):
+                logits = model(**inputs).logits.float()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+            scaler.scale(loss).backward()
+            optimizer_step(model, optimizer, scaler, 1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device.torch_device)
+            if step:  # the first step pays for allocation and kernel selection
+                elapsed += time.perf_counter() - started
+            peak = max(peak, _memory(device))
+        results[precision] = (elapsed / steps, (peak - before) / 2**20)
+    fp32 = results["none"][0]
+    return tuple(
+        Measurement(p, results[p][0], fp32 / results[p][0], results[p][1])
+        for p in ("none", "bf16", "fp16")
+    )
+
+
+def _memory(device: Device, reset: bool = False) -> float:
+    if device.type == "cuda":
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device.torch_device)
+        return float(torch.cuda.max_memory_allocated(device.torch_device))
+    return float(psutil.Process().memory_info().rss)
+
+
+def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
+    return Report(
+        device=device,
+        support=support(device),
+        measurements=measure(device, steps) if measured else (),
+        searched=native_precisions(device),
+        reasons=reasons(device),
+    )
+
+
+def render(report: Report) -> str:
+    device = report.device
+    lines = [f"device: {device.describe()}"]
+    if device.type == "cpu":
+        lines.append(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}")
+    for name in ("fp16", "bf16", "tf32"):
+        lines.append(f"{name}: {report.support[name]}")
+    if report.measurements:
+        memory = "peak memory" if device.type == "cuda" else "resident memory growth"
+        lines.append(f"training step of a small BERT (batch 16 x 64 tokens), {memory}:")
+        for m in report.measurements:
+            label = "fp32" if m.precision == "none" else m.precision
+            lines.append(f"  {label:>4}: {1000 * m.step_seconds:8.1f} ms/step  "
+                         f"{m.speedup:5.2f}x fp32  {m.peak_memory_mb:7.1f} MiB")
+    searched = ", ".join(report.searched)
+    lines.append(f"fp_precision: auto searches {searched} on this device:")
+    for precision in PRECISIONS:
+        mark = "yes" if precision in report.searched else "no "
+        lines.append(f"  {mark} {precision}: {report.reasons[precision]}")
+    return "\n".join(lines)

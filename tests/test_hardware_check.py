@@ -1,0 +1,39 @@
+import pytest
+from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
+
+from hpo import hardware_check
+from hpo.cli import main
+
+
+@pytest.mark.parametrize(
+    ("device", "support", "searched"),
+    [
+        (T4, {"fp16": "native", "bf16": "emulated", "tf32": "unsupported"}, ("fp16", "none")),
+        (A100, {"fp16": "native", "bf16": "native", "tf32": "native"}, ("fp16", "bf16", "none")),
+        (H100, {"fp16": "native", "bf16": "native", "tf32": "native"}, ("fp16", "bf16", "none")),
+        (CPU_AVX2, {"fp16": "emulated", "bf16": "emulated", "tf32": "unsupported"}, ("none",)),
+        (CPU_AVX512_BF16, {"fp16": "emulated", "bf16": "native", "tf32": "unsupported"},
+         ("bf16", "none")),
+    ],
+)
+def test_verdicts_for_mocked_devices(device, support, searched):
+    report = hardware_check.inspect(device, measured=False)
+    assert report.support == support
+    assert report.searched == searched
+    text = hardware_check.render(report)
+    assert f"fp_precision: auto searches {', '.join(searched)}" in text
+
+
+def test_t4_explains_why_bf16_is_left_out():
+    text = hardware_check.render(hardware_check.inspect(T4, measured=False))
+    assert "no  bf16: compute capability 7.5 is below 8.0: bf16 would be emulated" in text
+    assert "yes fp16" in text
+
+
+def test_real_cpu_run(capsys):
+    assert main(["hardware", "--device", "cpu", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("device: cpu")
+    for line in ("fp32:", "bf16:", "fp16:", "ms/step", "x fp32", "fp_precision: auto searches"):
+        assert line in out
+    assert "fp16: emulated" in out or "fp16: native" in out
