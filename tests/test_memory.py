@@ -142,3 +142,47 @@ def test_study_cache_round_trip_and_lowering():
     lowered = cache.lower("k", 4)
     assert lowered == BatchLimit(3, 4)
     assert memory.physical_batch(lowered, 32, 0.9) == math.floor(0.9 * 3)
+
+
+def linear_device(static: int, per_sample: int, capacity: int):
+    """A fake GPU whose peak memory grows linearly with the batch."""
+    last = {}
+
+    def step(batch: int) -> None:
+        last["peak"] = static + per_sample * batch
+        if last["peak"] > capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    return step, memory.MemoryProbe(capacity, lambda: last["peak"])
+
+
+@pytest.mark.parametrize("per_sample_mb", [60, 150, 400, 1400, 7000])
+def test_memory_model_finds_the_limit_in_fewer_probes(per_sample_mb):
+    gib, mib = 2**30, 2**20
+    step, probe = linear_device(2 * gib, per_sample_mb * mib, 16 * gib)
+    true_limit = (14 * gib) // (per_sample_mb * mib)
+    guided = memory.search(step, 256, BatchLimit(), probe)
+    plain = memory.search(step, 256, BatchLimit())
+    assert guided.limit == plain.limit == BatchLimit(true_limit, true_limit + 1)
+    assert guided.probes <= 5 < plain.probes
+
+
+def test_memory_model_that_is_wrong_still_finds_the_limit():
+    # Memory that grows with the square of the batch: the line overestimates the limit.
+    last = {}
+
+    def step(batch: int) -> None:
+        last["peak"] = 1000 + 3 * batch**2
+        if last["peak"] > 60_000:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    result = memory.search(step, 256, BatchLimit(), memory.MemoryProbe(60_000,
+                                                                      lambda: last["peak"]))
+    assert result.limit == BatchLimit(140, 141)
+    assert result.probes <= 13
+
+
+def test_no_memory_probe_on_a_cpu():
+    from conftest import CPU_AVX2
+
+    assert memory.device_memory_probe(CPU_AVX2) is None

@@ -269,7 +269,7 @@ def _find_batch(
         model.zero_grad(set_to_none=True)
         probe_step(model, plan, device, batch, length, model.config.vocab_size)
 
-    result = memory.search(step, bound, known)
+    result = memory.search(step, bound, known, memory.device_memory_probe(device))
     holder.clear()
     memory.release_memory()
     limit = cache.update(key, result.limit) if result.probes else result.limit

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hpo.hardware import Device
+
 _OOM_MESSAGES = (
     "CUDA out of memory",
     "CUDA error: out of memory",
@@ -114,12 +116,51 @@ class SearchResult:
     probes: int
 
 
-def search(step: Callable[[int], None], bound: int, known: BatchLimit) -> SearchResult:
+@dataclass(frozen=True)
+class MemoryProbe:
+    """How a device reports memory: `peak()` gives the peak bytes of the last probe step and
+    `capacity` the bytes a step may use. Only a GPU can say; on a CPU the search bisects."""
+
+    capacity: int
+    peak: Callable[[], int]
+
+
+def device_memory_probe(device: Device) -> MemoryProbe | None:
+    """A CUDA device's allocator reports peaks; 5% of its memory is left to the allocator's
+    own fragmentation and the CUDA context."""
+    if device.type != "cuda":
+        return None
+    index = device.torch_device
+
+    def peak() -> int:
+        value = torch.cuda.max_memory_allocated(index)
+        torch.cuda.reset_peak_memory_stats(index)  # the next probe measures its own peak
+        return value
+
+    torch.cuda.reset_peak_memory_stats(index)
+    return MemoryProbe(capacity=int(0.95 * device.total_memory), peak=peak)
+
+
+# Model-chosen probes before the search falls back to plain bisection: memory that does not
+# grow linearly with the batch must not turn the search into a crawl.
+_MODEL_PROBES = 3
+
+
+def search(
+    step: Callable[[int], None],
+    bound: int,
+    known: BatchLimit,
+    memory: MemoryProbe | None = None,
+) -> SearchResult:
     """Binary search for the largest batch in [1, bound] that `step` survives.
 
     The bound itself is probed first, since it usually fits; then the open interval between
     what is known to fit and to fail is bisected: at most 1 + ceil(log2(bound)) probes, none
     when `known` already answers. A result with largest_ok == 0 means even one sample fails.
+
+    With a `memory` probe the search fits peak memory = a + b * batch on two cheap probes and
+    asks the line where the limit is, then checks the batch above its answer: about five
+    probes wherever the limit lies, instead of nine.
     """
     limit = known
     probes = 0
@@ -130,14 +171,42 @@ def search(step: Callable[[int], None], bound: int, known: BatchLimit) -> Search
     if fits(step, top):
         return SearchResult(limit.merge(BatchLimit(top, None)), probes)
     low, high = limit.largest_ok, top
+    seen: list[tuple[int, int]] = []
+    model_probes = 0 if memory is not None else _MODEL_PROBES
     while high - low > 1:
         mid = (low + high) // 2
+        guided = model_probes < _MODEL_PROBES
+        if guided:
+            guess = low + 1 if len(seen) < 2 else _predict(seen, memory.capacity)
+            if guess is None:
+                guided, model_probes = False, _MODEL_PROBES
+            else:
+                mid = min(max(guess, low + 1), high - 1)
+                model_probes += len(seen) >= 2
         probes += 1
         if fits(step, mid):
             low = mid
+            if memory is not None:
+                seen.append((mid, memory.peak()))
         else:
             high = mid
+            if guided and len(seen) >= 2:
+                model_probes = _MODEL_PROBES  # the line overestimated: bisect from here
     return SearchResult(limit.merge(BatchLimit(low, high)), probes)
+
+
+def _predict(seen: list[tuple[int, int]], capacity: int) -> int | None:
+    """The largest batch whose peak memory the least-squares line keeps within capacity."""
+    n = len(seen)
+    mean_x = sum(x for x, _ in seen) / n
+    mean_y = sum(y for _, y in seen) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in seen)
+    if spread == 0:
+        return None
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in seen) / spread
+    if slope <= 0:
+        return None
+    return math.floor((capacity - (mean_y - slope * mean_x)) / slope)
 
 
 def _resolved(limit: BatchLimit, bound: int) -> bool:
