@@ -1,16 +1,16 @@
-"""Training throughput: hpo's training loop against transformers' Trainer on the same model,
-data, batch size, precision, learning rate and max_length, on a ReDSM5-like length
-distribution; and padding efficiency (real tokens / tokens processed in training).
+"""Training throughput: hpo's training loop against transformers' Trainer (max_length padding,
+and dynamic padding with length grouping) on the same model, data, batch, precision, learning
+rate and max_length; and padding efficiency (real tokens / tokens processed in training).
 
     PYTHONPATH=src python benchmarks/throughput.py [--train 400] [--validation 100]
-        [--max-length 256] [--precision bf16|none] [--repeats 1] [--model NAME_OR_DIR]
+        [--max-length 256] [--precision bf16|none] [--learning-rate 5e-5] [--epochs 2]
+        [--pos-weight none|balanced] [--repeats 1] [--model NAME_OR_DIR]
 
-Posts are synthetic: word counts drawn from a lognormal (mean 295 words, long tail capped at
-6,990, like the real ReDSM5), each made of one demo post (data/demo, which gives the labels)
-followed by label-free demo posts as filler, so the labels are the union of the parts'.
-Train and validation draw their labelled parts from disjoint halves of the demo posts.
-Samples/s counts training only (tokenization and evaluation excluded); every run is scored
-the same way, by `hpo.train.predict` on the final model (threshold 0.5). Prints markdown.
+Posts are synthetic, ReDSM5-like: lognormal word counts (mean 295, capped at 6,990), each one
+demo post (data/demo; it gives the labels) followed by label-free demo posts as filler; train
+and validation take their labelled posts from disjoint halves of the demo. Samples/s counts
+training only (no tokenization, no evaluation); every run is scored by `hpo.train.predict`
+on its final model (threshold 0.5). Prints a markdown report for benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ from hpo.data.tasks import Example, build_examples
 from hpo.hardware import Device, detect, native_precisions
 from hpo.metrics import f1_scores
 from hpo.models import ModelStore, quiet_transformers
-from hpo.train import Plan, predict, prepare, train
+from hpo.train import Plan, balanced_pos_weight, predict, prepare, train
 
 REPO = Path(__file__).resolve().parents[1]
 MEAN_WORDS, MAX_WORDS, SIGMA = 295, 6990, 1.0
 BATCH, WEIGHT_DECAY, WARMUP, MAX_GRAD_NORM, SEED = 16, 0.01, 0.1, 1.0, 0
 EVAL_BATCH = 32
+OURS = "hpo training loop"
 TRAINER_MAX, TRAINER_DYN = "Trainer, max_length padding", "Trainer, dynamic padding + grouping"
 
 
@@ -114,58 +115,75 @@ class CountingCollator:
         return batch
 
 
-def score(run: str, model: torch.nn.Module, val: Encoded, device: Device, precision: str,
-          pad_id: int, samples: int, seconds: float, efficiency: float) -> Result:
-    probabilities = predict(model, val, EVAL_BATCH, device, precision, pad_id)
-    scores = f1_scores(probabilities >= 0.5, val.labels, SYMPTOMS)
-    return Result(run, samples / seconds, efficiency, scores.macro_f1, scores.micro_f1, seconds,
-                  probabilities)
+@dataclass(frozen=True)
+class Bench:
+    """What every run shares: settings, device, model store, the data, the loss weight."""
+
+    args: argparse.Namespace
+    device: Device
+    store: ModelStore
+    tokenizer: transformers.PreTrainedTokenizerBase
+    train_examples: list[Example]
+    train_data: Encoded
+    val: Encoded
+    pos_weight: torch.Tensor | None
+
+    def score(self, run: str, model: torch.nn.Module, samples: int, seconds: float,
+              efficiency: float) -> Result:
+        pad_id = self.tokenizer.pad_token_id or 0
+        probabilities = predict(model, self.val, EVAL_BATCH, self.device, self.args.precision,
+                                pad_id)
+        scores = f1_scores(probabilities >= 0.5, self.val.labels, SYMPTOMS)
+        return Result(run, samples / seconds, efficiency, scores.macro_f1, scores.micro_f1,
+                      seconds, probabilities)
 
 
-def run_ours(store: ModelStore, args: argparse.Namespace, device: Device, tokenizer,
-             train_data: Encoded, val: Encoded) -> Result:
-    plan = Plan(precision=args.precision, effective_batch=BATCH, physical_batch=BATCH,
-                eval_batch=EVAL_BATCH, learning_rate=args.learning_rate, weight_decay=WEIGHT_DECAY,
-                warmup_ratio=WARMUP, max_grad_norm=MAX_GRAD_NORM, epochs=args.epochs, seed=SEED)
-    model = prepare(store.build(args.model, len(SYMPTOMS), seed=0), plan, device)
-    pad_id = tokenizer.pad_token_id or 0
+def run_ours(b: Bench) -> Result:
+    plan = Plan(precision=b.args.precision, effective_batch=BATCH, physical_batch=BATCH,
+                eval_batch=EVAL_BATCH, learning_rate=b.args.learning_rate,
+                weight_decay=WEIGHT_DECAY, warmup_ratio=WARMUP, max_grad_norm=MAX_GRAD_NORM,
+                epochs=b.args.epochs, seed=SEED)
+    model = prepare(b.store.build(b.args.model, len(SYMPTOMS), seed=0), plan, b.device)
     started = time.perf_counter()
-    progress = train(model, train_data, plan, device, pad_id=pad_id, evaluate=lambda _: 0.0,
-                     on_epoch=lambda _e, _s: None, pos_weight=None)
+    progress = train(model, b.train_data, plan, b.device, pad_id=b.tokenizer.pad_token_id or 0,
+                     evaluate=lambda _: 0.0, on_epoch=lambda _e, _s: None,
+                     pos_weight=b.pos_weight)
     seconds = time.perf_counter() - started
-    return score("hpo training loop", model, val, device, args.precision, pad_id,
-                 progress.samples, seconds, progress.padding_efficiency)
+    return b.score(OURS, model, progress.samples, seconds, progress.padding_efficiency)
 
 
-def run_trainer(store: ModelStore, args: argparse.Namespace, device: Device, tokenizer,
-                examples: list[Example], val: Encoded, dynamic: bool) -> Result:
-    encoded = tokenizer([e.text for e in examples], truncation=True, max_length=args.max_length,
-                        padding=False if dynamic else "max_length")
+def run_trainer(b: Bench, dynamic: bool) -> Result:
+    encoded = b.tokenizer([e.text for e in b.train_examples], truncation=True,
+                          max_length=b.args.max_length, padding=False if dynamic else "max_length")
     dataset = [{**{k: v[i] for k, v in encoded.items()}, "labels": list(e.labels)}
-               for i, e in enumerate(examples)]
-    collator = CountingCollator(DataCollatorWithPadding(tokenizer))
-    model = store.build(args.model, len(SYMPTOMS), seed=0)
+               for i, e in enumerate(b.train_examples)]
+    collator = CountingCollator(DataCollatorWithPadding(b.tokenizer))
+    # Without pos_weight the model's own loss (BCEWithLogitsLoss, mean) is used, as by default;
+    # with it, the same mean BCE with the same pos_weight as the hpo run.
+    loss = None if b.pos_weight is None else lambda out, labels, **_: (
+        torch.nn.functional.binary_cross_entropy_with_logits(
+            out.logits.float(), labels, pos_weight=b.pos_weight))
+    model = b.store.build(b.args.model, len(SYMPTOMS), seed=0)
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=BATCH, learning_rate=args.learning_rate,
-            num_train_epochs=args.epochs, weight_decay=WEIGHT_DECAY,
+            output_dir=out, per_device_train_batch_size=BATCH, learning_rate=b.args.learning_rate,
+            num_train_epochs=b.args.epochs, weight_decay=WEIGHT_DECAY,
             warmup_steps=WARMUP,  # transformers 5: a float < 1 is a ratio (warmup_ratio is gone)
-            max_grad_norm=MAX_GRAD_NORM, bf16=args.precision == "bf16", use_cpu=True,
+            max_grad_norm=MAX_GRAD_NORM, bf16=b.args.precision == "bf16", use_cpu=True,
             report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no",
-            dataloader_num_workers=0, seed=SEED, lr_scheduler_type="linear",
-            disable_tqdm=True,
+            dataloader_num_workers=0, seed=SEED, lr_scheduler_type="linear", disable_tqdm=True,
             train_sampling_strategy="group_by_length" if dynamic else "random",
         )
         trainer = Trainer(model=model, args=training_args, train_dataset=dataset,
-                          data_collator=collator, processing_class=tokenizer)
+                          data_collator=collator, processing_class=b.tokenizer,
+                          compute_loss_func=loss)
         trainer.remove_callback(PrinterCallback)  # it prints the final metrics dict
         started = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - started
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-    return score(TRAINER_DYN if dynamic else TRAINER_MAX, model, val, device, args.precision,
-                 tokenizer.pad_token_id or 0, collator.samples, seconds,
-                 collator.real / collator.processed)
+    return b.score(TRAINER_DYN if dynamic else TRAINER_MAX, model, collator.samples, seconds,
+                   collator.real / collator.processed)
 
 
 def warm_up(store: ModelStore, args: argparse.Namespace, device: Device) -> None:
@@ -181,11 +199,10 @@ def warm_up(store: ModelStore, args: argparse.Namespace, device: Device) -> None
 
 
 def median_result(results: list[Result]) -> Result:
-    med = statistics.median
-    return Result(results[0].run, med(r.samples_per_second for r in results),
-                  med(r.padding_efficiency for r in results), med(r.macro_f1 for r in results),
-                  med(r.micro_f1 for r in results), med(r.seconds for r in results),
-                  results[0].probabilities)
+    """Medians of every number; the first run's probabilities (for the bootstrap)."""
+    fields = ("samples_per_second", "padding_efficiency", "macro_f1", "micro_f1", "seconds")
+    medians = [statistics.median(getattr(r, f) for r in results) for f in fields]
+    return Result(results[0].run, *medians, results[0].probabilities)
 
 
 def paired_bootstrap(a: torch.Tensor, b: torch.Tensor, gold: torch.Tensor,
@@ -212,6 +229,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--learning-rate", type=float, default=5e-5)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--pos-weight", choices=("none", "balanced"), default="none")
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args()
@@ -223,10 +241,10 @@ def main() -> None:
     tokenizer = store.tokenizer(args.model)
     train_data = encode(tokenizer, train_examples, args.max_length)
     val = encode(tokenizer, val_examples, args.max_length)
-    configurations = [
-        lambda: run_ours(store, args, device, tokenizer, train_data, val),
-        lambda: run_trainer(store, args, device, tokenizer, train_examples, val, False),
-        lambda: run_trainer(store, args, device, tokenizer, train_examples, val, True),
+    weight = balanced_pos_weight(train_data.labels) if args.pos_weight == "balanced" else None
+    bench = Bench(args, device, store, tokenizer, train_examples, train_data, val, weight)
+    configurations: list[Callable[[], Result]] = [
+        lambda: run_ours(bench), lambda: run_trainer(bench, False), lambda: run_trainer(bench, True)
     ]
     warm_up(store, args, device)
     runs: dict[str, list[Result]] = {}
@@ -235,7 +253,7 @@ def main() -> None:
             result = configurations[(k + repeat) % len(configurations)]()
             runs.setdefault(result.run, []).append(result)
     results = {name: median_result(rs) for name, rs in runs.items()}
-    ours, base, best = results["hpo training loop"], results[TRAINER_MAX], results[TRAINER_DYN]
+    ours, base, best = results[OURS], results[TRAINER_MAX], results[TRAINER_DYN]
 
     words = [len(e.text.split()) for e in train_examples + val_examples]
     lengths = train_data.lengths + val.lengths
@@ -250,7 +268,8 @@ def main() -> None:
           f"{statistics.mean(lengths):.0f}, {sum(n == args.max_length for n in lengths)} of "
           f"{len(lengths)} truncated), batch {BATCH}, lr {args.learning_rate:g}, "
           f"{args.epochs} epochs, weight decay {WEIGHT_DECAY}, warmup {WARMUP}, max grad norm "
-          f"{MAX_GRAD_NORM}, plain BCE; {args.repeats} run(s) each, median shown\n")
+          f"{MAX_GRAD_NORM}, BCE with pos_weight {args.pos_weight}; {args.repeats} run(s) "
+          "each, median shown\n")
     print(f"| run | samples/s | speed-up vs {TRAINER_MAX} | padding efficiency | macro-F1 | "
           "micro-F1 | train s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -271,7 +290,7 @@ def main() -> None:
               f"**{verdict}**")
     if max(r.macro_f1 for r in (ours, base, best)) < 0.05:
         print("- all runs score near 0: with plain BCE the model predicts no symptom yet, so "
-              "equal scores say little here (try --learning-rate 4e-4 or more --epochs)")
+              "equal scores say little here (try --pos-weight balanced)")
     print(f"- padding efficiency of the hpo loop **{ours.padding_efficiency:.3f}** "
           f"(max_length padding {base.padding_efficiency:.3f}): goal >= 0.85 "
           f"**{'met' if ours.padding_efficiency >= 0.85 else 'NOT met'}**")
