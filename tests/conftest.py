@@ -33,6 +33,15 @@ def _load_script(name: str):
     return module
 
 
+@pytest.fixture(autouse=True)
+def token_cache_dir(tmp_path, monkeypatch) -> Path:
+    """Each test's own tokenization cache (inherited by the workers it starts), so no test
+    reads another's entries or writes to the home directory."""
+    directory = tmp_path / "hpo-cache"
+    monkeypatch.setenv("HPO_CACHE_DIR", str(directory))
+    return directory / "tokens"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A 2-layer BERT of hidden size 32 with a WordPiece vocabulary from the demo posts."""

@@ -158,3 +158,18 @@ def test_gradient_checkpointing_option(tiny_study, storage):
     (trial,) = load(storage).trials
     assert trial.state == TrialState.COMPLETE
     assert trial.user_attrs["training"]["gradient_checkpointing"] is True
+
+
+def test_tokenization_is_done_once_per_machine(tiny_study, tmp_path, token_cache_dir):
+    """A worker tokenizes each model's splits once; a later worker (here: another study on
+    the same data) reads them from the machine's disk cache."""
+    first, second = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    assert run(tiny_study, first, 4) == 0
+    sources = [t.user_attrs["tokenization"] for t in load(first).trials]
+    models = [t.params["model_name"] for t in load(first).trials]
+    for k, (model, source) in enumerate(zip(models, sources, strict=True)):
+        assert source == ("worker memory" if model in models[:k] else "tokenizer")
+    assert len(list(token_cache_dir.glob("*.safetensors"))) == 2 * len(set(models))
+    assert run(tiny_study, second, 1) == 0
+    (trial,) = load(second).trials
+    assert trial.user_attrs["tokenization"] == "disk cache"

@@ -12,6 +12,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Protocol
 
 import optuna
@@ -21,7 +22,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import memory, metrics
 from hpo.config import StudyConfig
-from hpo.data.batching import Encoded, encode
+from hpo.data import token_cache
+from hpo.data.batching import Encoded
 from hpo.data.redsm5 import label_names, read_redsm5
 from hpo.data.splits import Splits, split_posts
 from hpo.data.tasks import Example, build_examples
@@ -65,21 +67,28 @@ class Worker:
     validation_examples: list[Example]
     label_names: tuple[str, ...]
     models: ModelStore = field(default_factory=ModelStore)
+    token_cache_dir: Path | None = field(default_factory=token_cache.default_dir)
     _encoded: dict[str, tuple[Encoded, Encoded]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return f"{socket.gethostname()}:{os.getpid()}"
 
-    def encoded(self, model_name: str) -> tuple[Encoded, Encoded]:
-        if model_name not in self._encoded:
-            tokenizer = self.models.tokenizer(model_name)
-            max_length = self.config.data.max_length
-            self._encoded[model_name] = (
-                encode(tokenizer, self.train_examples, max_length),
-                encode(tokenizer, self.validation_examples, max_length),
-            )
-        return self._encoded[model_name]
+    def encoded(self, model_name: str) -> tuple[Encoded, Encoded, str]:
+        """Both splits tokenized for this model, and where they came from: this worker's
+        memory, the machine's disk cache, or the tokenizer."""
+        if model_name in self._encoded:
+            return *self._encoded[model_name], "worker memory"
+        tokenizer = self.models.tokenizer(model_name)
+        max_length = self.config.data.max_length
+        train, train_hit = token_cache.cached_encode(
+            tokenizer, self.train_examples, max_length, self.token_cache_dir
+        )
+        validation, validation_hit = token_cache.cached_encode(
+            tokenizer, self.validation_examples, max_length, self.token_cache_dir
+        )
+        self._encoded[model_name] = (train, validation)
+        return train, validation, "disk cache" if train_hit and validation_hit else "tokenizer"
 
     def gold(self) -> torch.Tensor:
         """The validation posts' labels as a post x label grid."""
@@ -166,7 +175,10 @@ def _run(
     config, device = worker.config, worker.device
     params = suggest(trial, worker.pinned)
     training = config.training.model_copy(update=params.extras)
-    train_data, validation_data = worker.encoded(params.model_name)
+    began = time.perf_counter()
+    train_data, validation_data, source = worker.encoded(params.model_name)
+    trial.set_user_attr("tokenization", source)
+    trial.set_user_attr("tokenization_seconds", round(time.perf_counter() - began, 3))
     tokenizer = worker.models.tokenizer(params.model_name)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     num_labels = train_data.labels.shape[1]

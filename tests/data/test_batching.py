@@ -57,12 +57,23 @@ def test_eval_batches_cover_everything_once():
 def test_collator_pads_to_the_longest_in_the_batch():
     import torch
 
-    data = Encoded(input_ids=((5, 6, 7), (8,)), token_type_ids=None,
-                   labels=torch.tensor([[1.0], [0.0]]))
-    batch = Collator(data, pad_id=0)([0, 1])
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["labels"].tolist() == [[1.0], [0.0]]
+    data = Encoded.pack([(5, 6, 7), (8,)], None, torch.tensor([[1.0], [0.0]]))
+    batch = Collator(data, pad_id=0)([1, 0])
+    assert batch["input_ids"].tolist() == [[8, 0, 0], [5, 6, 7]]
+    assert batch["attention_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert batch["labels"].tolist() == [[0.0], [1.0]]
+    assert "token_type_ids" not in batch
+
+
+def test_collator_pads_token_types_of_pairs():
+    import torch
+
+    data = Encoded.pack([(5, 6), (7, 8, 9, 10)], [(0, 1), (0, 0, 1, 1)],
+                        torch.tensor([[1.0], [0.0]]))
+    assert data.lengths == [2, 4] and len(data) == 2
+    batch = Collator(data, pad_id=3)([0, 1])
+    assert batch["input_ids"].tolist() == [[5, 6, 3, 3], [7, 8, 9, 10]]
+    assert batch["token_type_ids"].tolist() == [[0, 1, 0, 0], [0, 0, 1, 1]]
 
 
 def test_demo_posts_are_long_tailed():

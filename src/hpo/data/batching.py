@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -22,18 +23,52 @@ from hpo.data.tasks import Example
 MEGABATCH_STEPS = 8
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Encoded:
-    input_ids: tuple[tuple[int, ...], ...]
-    token_type_ids: tuple[tuple[int, ...], ...] | None
+    """Tokenized examples, packed: every example's ids end to end (int32, a few bytes per
+    token instead of a Python int each), where each one starts, token types in the same layout
+    (pairs only) and one label row per example. The tokenization cache stores these tensors."""
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor  # int64, len(examples) + 1
+    token_types: torch.Tensor | None
     labels: torch.Tensor  # float, one row per example
 
-    def __len__(self) -> int:
-        return len(self.input_ids)
+    @classmethod
+    def pack(
+        cls,
+        input_ids: Sequence[Sequence[int]],
+        token_type_ids: Sequence[Sequence[int]] | None,
+        labels: torch.Tensor,
+    ) -> Encoded:
+        offsets = torch.zeros(len(input_ids) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([len(ids) for ids in input_ids], dtype=torch.int64).cumsum(0)
+        return cls(
+            tokens=_flat(input_ids),
+            offsets=offsets,
+            token_types=_flat(token_type_ids) if token_type_ids is not None else None,
+            labels=labels,
+        )
 
-    @property
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    @cached_property
+    def bounds(self) -> list[int]:
+        return self.offsets.tolist()
+
+    @cached_property
     def lengths(self) -> list[int]:
-        return [len(ids) for ids in self.input_ids]
+        b = self.bounds
+        return [b[i + 1] - b[i] for i in range(len(self))]
+
+
+def _flat(sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+    return torch.tensor([t for seq in sequences for t in seq], dtype=torch.int32)
+
+
+def labels_of(examples: Sequence[Example]) -> torch.Tensor:
+    return torch.tensor([e.labels for e in examples], dtype=torch.float32)
 
 
 def encode(tokenizer, examples: Sequence[Example], max_length: int) -> Encoded:
@@ -49,12 +84,7 @@ def encode(tokenizer, examples: Sequence[Example], max_length: int) -> Encoded:
         max_length=max_length,
         padding=False,
     )
-    token_types = encoded.get("token_type_ids")
-    return Encoded(
-        input_ids=tuple(tuple(ids) for ids in encoded["input_ids"]),
-        token_type_ids=tuple(tuple(t) for t in token_types) if token_types is not None else None,
-        labels=torch.tensor([e.labels for e in examples], dtype=torch.float32),
-    )
+    return Encoded.pack(encoded["input_ids"], encoded.get("token_type_ids"), labels_of(examples))
 
 
 Step = list[list[int]]  # micro-batches of example indices
@@ -91,19 +121,19 @@ class Collator:
     pad_id: int
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        width = max(len(self.data.input_ids[i]) for i in indices)
+        lengths, bounds = self.data.lengths, self.data.bounds
+        width = max(lengths[i] for i in indices)
         ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(indices), width), dtype=torch.long)
+        types = None if self.data.token_types is None else torch.zeros_like(ids)
         for row, i in enumerate(indices):
-            seq = self.data.input_ids[i]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
+            start, end = bounds[i], bounds[i + 1]
+            ids[row, : end - start] = self.data.tokens[start:end]
+            mask[row, : end - start] = 1
+            if types is not None:
+                types[row, : end - start] = self.data.token_types[start:end]
         batch = {"input_ids": ids, "attention_mask": mask, "labels": self.data.labels[indices]}
-        if self.data.token_type_ids is not None:
-            types = torch.zeros((len(indices), width), dtype=torch.long)
-            for row, i in enumerate(indices):
-                seq = self.data.token_type_ids[i]
-                types[row, : len(seq)] = torch.tensor(seq)
+        if types is not None:
             batch["token_type_ids"] = types
         return batch
 
