@@ -228,12 +228,14 @@ def train(
         for step in steps:
             running = torch.zeros((), device=device.torch_device)
             for _ in step:
+                host = next(batches)
+                # Counted on the host copy: on a GPU, reading the device copy would sync.
+                progress.real_tokens += int(host["attention_mask"].sum())
+                progress.padded_tokens += host["attention_mask"].numel()
                 batch = {
                     k: v.to(device.torch_device, non_blocking=non_blocking)
-                    for k, v in next(batches).items()
+                    for k, v in host.items()
                 }
-                progress.real_tokens += int(batch["attention_mask"].sum())
-                progress.padded_tokens += batch["attention_mask"].numel()
                 with autocast(device, plan.precision):
                     loss = micro_batch_loss(model, batch, plan.effective_batch, pos_weight)
                 scaler.scale(loss).backward()

@@ -3,7 +3,7 @@ import random
 import pytest
 from conftest import DEMO_DATA
 
-from hpo.data.batching import Collator, Encoded, eval_batches, training_steps
+from hpo.data.batching import Collator, Encoded, eval_batches, padded_width, training_steps
 from hpo.data.redsm5 import read_redsm5
 
 
@@ -58,7 +58,7 @@ def test_collator_pads_to_the_longest_in_the_batch():
     import torch
 
     data = Encoded.pack([(5, 6, 7), (8,)], None, torch.tensor([[1.0], [0.0]]))
-    batch = Collator(data, pad_id=0)([1, 0])
+    batch = Collator(data, pad_id=0, multiple=1)([1, 0])
     assert batch["input_ids"].tolist() == [[8, 0, 0], [5, 6, 7]]
     assert batch["attention_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert batch["labels"].tolist() == [[0.0], [1.0]]
@@ -71,9 +71,21 @@ def test_collator_pads_token_types_of_pairs():
     data = Encoded.pack([(5, 6), (7, 8, 9, 10)], [(0, 1), (0, 0, 1, 1)],
                         torch.tensor([[1.0], [0.0]]))
     assert data.lengths == [2, 4] and len(data) == 2
-    batch = Collator(data, pad_id=3)([0, 1])
+    batch = Collator(data, pad_id=3, multiple=1)([0, 1])
     assert batch["input_ids"].tolist() == [[5, 6, 3, 3], [7, 8, 9, 10]]
     assert batch["token_type_ids"].tolist() == [[0, 1, 0, 0], [0, 0, 1, 1]]
+
+
+def test_widths_round_up_to_the_multiple_but_never_past_the_longest_example():
+    import torch
+
+    data = Encoded.pack([(5,) * 3, (6,) * 17, (7,) * 40], None, torch.zeros((3, 1)))
+    collate = Collator(data, pad_id=0, multiple=16)
+    assert collate([0])["input_ids"].shape == (1, 16)
+    assert collate([0, 1])["input_ids"].shape == (2, 32)
+    assert collate([2, 0])["input_ids"].shape == (2, 40)  # 48 would pass the longest (40)
+    assert collate([0])["attention_mask"].sum() == 3
+    assert padded_width(32, 16, 512) == 32
 
 
 def test_demo_posts_are_long_tailed():
