@@ -3,8 +3,9 @@ overhead (1 - train_seconds / trial_seconds) and the worker's resident memory ov
 
     python benchmarks/demo_study.py [--n-trials 20]
 
-Runs `hpo run --study demo` from the repository root in a fresh SQLite storage and prints a
-markdown report for benchmarks/README.md.
+Runs `hpo run --study demo` from the repository root in a fresh SQLite storage, with an empty
+tokenization cache (as on a machine's first run), and prints a markdown report for
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
             ["hpo", "run", "--study", "demo", "--n-trials", str(args.n_trials),
              "--storage", storage],
             cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+            env={**os.environ, "HPO_CACHE_DIR": f"{tmp}/cache"},
         )
         wall = time.perf_counter() - started
         study = optuna.load_study(study_name="demo", storage=storage)
@@ -62,11 +64,10 @@ def main() -> None:
           f"**{1 - total_train / total_trial:.1%}**")
     rss = [t.user_attrs["worker_rss_mb"] for t in trials]
     print(f"- worker resident memory after trial 0: {rss[0]:.0f} MiB, after the last: "
-          f"{rss[-1]:.0f} MiB, highest after the first trial that used each model: "
-          f"{max(rss):.0f} MiB\n")
+          f"{rss[-1]:.0f} MiB, highest: {max(rss):.0f} MiB\n")
     print("| trial | model | fp | eff. batch | phys x accum | lr | state | macro-F1 | "
-          "trial s | train s | samples/s | padding eff. | RSS MiB |")
-    print("|" + "|".join(" --- " if i in (1, 2, 6) else " ---: " for i in range(13)) + "|")
+          "trial s | train s | tokens from | samples/s | padding eff. | RSS MiB |")
+    print("|" + "|".join(" --- " if i in (1, 2, 6, 10) else " ---: " for i in range(14)) + "|")
     for t in trials:
         a, p = t.user_attrs, t.params
         value = f"{t.value:.4f}" if t.value is not None else a.get("prune_reason", "")
@@ -74,6 +75,7 @@ def main() -> None:
               f"{p['target_effective_batch_size']} | {a.get('physical_batch_size')} x "
               f"{a.get('grad_accum_steps')} | {p['learning_rate']:.2e} | {t.state.name} | "
               f"{value} | {a.get('trial_seconds', 0):.1f} | {a.get('train_seconds', 0):.1f} | "
+              f"{a.get('tokenization', '')} | "
               f"{a.get('samples_per_second', 0):.0f} | {a.get('padding_efficiency', 0):.3f} | "
               f"{a.get('worker_rss_mb', 0):.0f} |")
 

@@ -11,8 +11,6 @@ import pytest
 import yaml
 from conftest import REPO, study_dict
 
-from hpo.hardware import detect, native_precisions
-
 
 def hpo(*args: str, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -96,14 +94,19 @@ def test_unreachable_storage_from_environment(study_file):
     assert "hunter2" not in result.stderr + result.stdout
 
 
-def test_emulated_precision_is_refused(study_file):
-    native = native_precisions(detect("cpu"))
-    emulated = [p for p in ("fp16", "bf16") if p not in native]
-    if not emulated:
-        pytest.skip("this CPU runs every precision natively")
-    path = study_file(lambda d: d["search_space"].update(fp_precision=[emulated[0], "none"]))
-    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
-                    f"{emulated[0]} is not native on cpu")
+AVX2_ONLY = ("import sys, hpo.hardware as h; h.read_cpu_flags = lambda *a: frozenset({'avx2'}); "
+             "from hpo.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_emulated_precision_is_refused(study_file, precision):
+    # The CPU is one that emulates both (AVX2 only): this machine may run both natively.
+    path = study_file(lambda d: d["search_space"].update(fp_precision=[precision, "none"]))
+    result = subprocess.run(
+        [sys.executable, "-c", AVX2_ONLY, "run", "--config", str(path), "--n-trials", "1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    check_bad_input(result, f"{precision} is not native on cpu")
 
 
 def test_malformed_fault_variable(study_file):

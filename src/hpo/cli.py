@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +219,13 @@ def command_run(args: argparse.Namespace) -> int:
                          f"(asked for {n_trials}); nothing to do")
         reporter.best(optuna_study)
         return EXIT_OK
+    if not config.training.isolate_trials:
+        began = time.perf_counter()
+        sources = worker.preload()
+        reporter.message(
+            f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
+            f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
+        )
     objective = config.study.objective
     baseline = worker.baseline().get(objective)
     optuna_study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})

@@ -90,6 +90,20 @@ class Worker:
         self._encoded[model_name] = (train, validation)
         return train, validation, "disk cache" if train_hit and validation_hit else "tokenizer"
 
+    def preload(self) -> dict[str, str]:
+        """Every model of the search space read and its splits tokenized before the first
+        trial, so the worker holds from the start what it would hold after each model's first
+        trial. Returns where each model's tokens came from."""
+        sources = {}
+        for name in self.pinned.declared["model_name"]:
+            try:
+                train, _, sources[name] = self.encoded(name)
+                self.models.build(name, train.labels.shape[1], seed=self.config.training.seed)
+            except Exception as exc:  # the trials that draw this model fail with the error
+                sources[name] = f"not loaded: {_one_line(exc)}"
+        memory.release_memory()
+        return sources
+
     def gold(self) -> torch.Tensor:
         """The validation posts' labels as a post x label grid."""
         labels = torch.tensor([e.labels for e in self.validation_examples])

@@ -3,7 +3,14 @@ import random
 import pytest
 from conftest import DEMO_DATA
 
-from hpo.data.batching import Collator, Encoded, eval_batches, padded_width, training_steps
+from hpo.data.batching import (
+    Collator,
+    Encoded,
+    eval_batches,
+    pad_multiple,
+    padded_width,
+    training_steps,
+)
 from hpo.data.redsm5 import read_redsm5
 
 
@@ -86,6 +93,13 @@ def test_widths_round_up_to_the_multiple_but_never_past_the_longest_example():
     assert collate([2, 0])["input_ids"].shape == (2, 40)  # 48 would pass the longest (40)
     assert collate([0])["attention_mask"].sum() == 3
     assert padded_width(32, 16, 512) == 32
+
+
+@pytest.mark.parametrize(("longest", "multiple"), [(1, 8), (64, 8), (128, 8), (129, 16),
+                                                   (256, 16), (512, 32)])
+def test_the_multiple_keeps_at_most_16_widths(longest, multiple):
+    assert pad_multiple(longest) == multiple
+    assert len({padded_width(n, multiple, longest) for n in range(1, longest + 1)}) <= 16
 
 
 def test_demo_posts_are_long_tailed():

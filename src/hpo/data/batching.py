@@ -9,6 +9,7 @@ sequence.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ from hpo.data.tasks import Example
 # consecutive steps still mix short and long posts across the epoch.
 MEGABATCH_STEPS = 8
 
-# Batch widths are rounded up to a multiple of this, never past the longest example. Few
-# distinct shapes mean the kernels built per shape (oneDNN primitives on a CPU, cuBLAS/cuDNN
-# plans on a GPU) are reused instead of built and cached anew for every length: measured on a
-# CPU worker, 60 MiB of resident-memory growth over five trials instead of 270 MiB, at equal
-# speed. Tensor cores want multiples of 8 as well.
-PAD_MULTIPLE = 16
+# Batch widths are rounded up to a multiple of 8 (16, 32, ... for longer data) so that a data
+# set has at most this many distinct widths, never past its longest example. Few shapes mean
+# the kernels built per shape (oneDNN primitives on a CPU, cuBLAS/cuDNN plans on a GPU) are
+# reused instead of built and cached anew for every length: on a CPU worker, 60 MiB of resident
+# memory growth over five trials instead of 270 MiB, at equal speed. Tensor cores want
+# multiples of 8 as well.
+MAX_WIDTHS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,11 +132,12 @@ def eval_batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
 class Collator:
     data: Encoded
     pad_id: int
-    multiple: int = PAD_MULTIPLE
+    multiple: int | None = None  # None: pad_multiple(the data's longest example)
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         lengths, bounds = self.data.lengths, self.data.bounds
-        width = padded_width(max(lengths[i] for i in indices), self.multiple, self.data.longest)
+        multiple = self.multiple or pad_multiple(self.data.longest)
+        width = padded_width(max(lengths[i] for i in indices), multiple, self.data.longest)
         ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(indices), width), dtype=torch.long)
         types = None if self.data.token_types is None else torch.zeros_like(ids)
@@ -148,6 +151,10 @@ class Collator:
         if types is not None:
             batch["token_type_ids"] = types
         return batch
+
+
+def pad_multiple(longest: int) -> int:
+    return 8 * max(1, math.ceil(longest / (8 * MAX_WIDTHS)))
 
 
 def padded_width(longest_in_batch: int, multiple: int, longest_overall: int) -> int:
