@@ -1,7 +1,7 @@
 """Training throughput: hpo's training loop against transformers' Trainer (max_length padding,
 dynamic padding by its default collator, and dynamic padding with length grouping) on the same
 model, data, batch, precision, learning rate and max_length; and padding efficiency (real
-tokens / tokens processed in training).
+tokens / tokens processed in training). Each configuration runs in a fresh process.
 
     PYTHONPATH=src python benchmarks/throughput.py [--train 400] [--validation 100]
         [--max-length 256] [--precision bf16|none] [--learning-rate 5e-5] [--epochs 2]
