@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from hpo.data.batching import Encoded, encode, labels_of
 from hpo.data.tasks import Example
 
-FORMAT = 1
+FORMAT = 1  # part of every key: bump it when `encode` changes what it produces
 log = logging.getLogger(__name__)
 
 
