@@ -26,9 +26,9 @@ MEGABATCH_STEPS = 8
 # Batch widths are rounded up to a multiple of 8 (16, 32, ... for longer data) so that a data
 # set has at most MAX_WIDTHS distinct widths, never past its longest example. Few shapes mean
 # the kernels built per shape (oneDNN primitives on a CPU, cuBLAS/cuDNN plans on a GPU) are
-# reused instead of built and kept for every length: a CPU worker running five trials of new
-# settings grew by 60 MiB instead of 270 MiB (demo data, widths rounded to 16), at equal
-# speed. Tensor cores want multiples of 8 as well.
+# reused instead of built and kept for every length: after its first trial, a CPU worker that
+# tried three new (model, precision, batch) settings grew by 60 MiB instead of 270 MiB (demo
+# data, widths rounded to 16), at equal speed. Tensor cores want multiples of 8 as well.
 MAX_WIDTHS = 16
 
 
