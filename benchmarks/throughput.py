@@ -130,6 +130,7 @@ class Bench:
     store: ModelStore
     tokenizer: transformers.PreTrainedTokenizerBase
     train_examples: list[Example]
+    val_examples: list[Example]
     train_data: Encoded
     val: Encoded
     pos_weight: torch.Tensor | None
@@ -234,7 +235,8 @@ def load_bench(args: argparse.Namespace, device: Device) -> Bench:
     train_data = encode(tokenizer, train_examples, args.max_length)
     val = encode(tokenizer, val_examples, args.max_length)
     weight = balanced_pos_weight(train_data.labels) if args.pos_weight == "balanced" else None
-    return Bench(args, device, store, tokenizer, train_examples, train_data, val, weight)
+    return Bench(args, device, store, tokenizer, train_examples, val_examples, train_data, val,
+                 weight)
 
 
 def measure(args: argparse.Namespace, device: Device, run: str) -> Result:
@@ -277,7 +279,6 @@ def main() -> None:
         return
     load_start = os.getloadavg()[0]
     bench = load_bench(args, device)
-    train_examples, val_examples = corpus(args.train, args.validation, args.seed)
     train_data, val = bench.train_data, bench.val
     runs: dict[str, list[Result]] = {}
     for repeat in range(args.repeats):  # the order rotates, so no configuration is always first
@@ -288,7 +289,7 @@ def main() -> None:
     ours, base = results[OURS], results[TRAINER_MAX]
     trainers = [results[TRAINER_MAX], results[TRAINER_DEFAULT], results[TRAINER_GROUPED]]
 
-    words = [len(e.text.split()) for e in train_examples + val_examples]
+    words = [len(e.text.split()) for e in bench.train_examples + bench.val_examples]
     lengths = train_data.lengths + val.lengths
     print(f"Machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, accelerate {accelerate.__version__}; "

@@ -158,7 +158,7 @@ def pad_multiple(longest: int) -> int:
 
 
 def padded_width(longest_in_batch: int, multiple: int, longest_overall: int) -> int:
-    return min(-(-longest_in_batch // multiple) * multiple, max(longest_overall, longest_in_batch))
+    return min(-(-longest_in_batch // multiple) * multiple, longest_overall)
 
 
 class PlannedBatches(torch.utils.data.Sampler):
