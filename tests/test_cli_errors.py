@@ -112,3 +112,33 @@ def test_emulated_precision_is_refused(study_file, precision):
 def test_malformed_fault_variable(study_file):
     check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", "1",
                         env={"HPO_FAULT_OOM_AT_STEP": "two"}), "HPO_FAULT_OOM_AT_STEP")
+
+
+NO_TORCH = """
+import sys
+from hpo.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:  # argparse's --help
+    code = exc.code
+print("torch loaded" if "torch" in sys.modules else "torch not loaded")
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("case", ["help", "study", "fault", "data"])
+def test_mistakes_found_without_torch_are_reported_before_loading_it(study_file, tmp_path, case):
+    # Loading torch and transformers takes seconds; a typo should not wait for it.
+    args, env = {
+        "help": (["--help"], {}),
+        "study": (["run", "--study", "nosuch", "--n-trials", "1"], {}),
+        "fault": (["run", "--config", str(study_file()), "--n-trials", "1"],
+                  {"HPO_FAULT_OOM_AT_STEP": "two"}),
+        "data": (["run", "--config", str(study_file(
+            lambda d: d["data"].update(dir=str(tmp_path / "nowhere")))), "--n-trials", "1"], {}),
+    }[case]
+    result = subprocess.run([sys.executable, "-c", NO_TORCH, *args], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env})
+    assert result.returncode == (0 if case == "help" else 2), result.stderr
+    assert result.stdout.strip().endswith("torch not loaded"), result.stdout

@@ -19,20 +19,14 @@ from typing import TYPE_CHECKING
 import yaml
 
 from hpo import config as config_module
-from hpo import faults
-from hpo.config import ConfigError, StudyConfig
-from hpo.data.errors import DataError
-from hpo.faults import FaultConfigError
-from hpo.models import ModelError
-from hpo.space import SpaceError
-from hpo.storage import StorageError
+from hpo.config import StudyConfig
+from hpo.errors import BAD_INPUT, ConfigError
 
 if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait for it
     from hpo.data.splits import Splits
     from hpo.hardware import Device
     from hpo.storage import ResilientRDBStorage
 
-BAD_INPUT = (ConfigError, DataError, FaultConfigError, ModelError, SpaceError, StorageError)
 EXIT_OK, EXIT_UNEXPECTED, EXIT_BAD_INPUT = 0, 1, 2
 BASELINE = "every symptom predicted for every post"
 
@@ -152,10 +146,9 @@ class Prepared:
 
 def prepare(args: argparse.Namespace) -> Prepared:
     """Everything checked before any compute: the study file, data, models, the device's
-    precisions, then the storage."""
-    import optuna
-
-    from hpo import hardware, models, space, storage
+    precisions, then the storage. What needs no torch is checked before torch is loaded, so
+    those mistakes are reported at once."""
+    from hpo import faults
     from hpo.data.redsm5 import read_redsm5
     from hpo.data.splits import split_posts
 
@@ -165,6 +158,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
     posts = read_redsm5(data.dir, special_case=data.special_case)
     splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
                          seed=data.split_seed)
+
+    import optuna
+
+    from hpo import hardware, models, space, storage
+
     models.quiet_transformers()
     models.check_loadable(config.search_space.model_name, data.max_length)
     device = hardware.detect(config.training.device)
@@ -179,10 +177,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
 
 
 def command_create(args: argparse.Namespace) -> int:
+    prepared = prepare(args)
+
     from hpo import study
     from hpo.storage import redact
 
-    prepared = prepare(args)
     optuna_study, pinned = study.join(prepared.config, prepared.storage, prepared.device)
     print(f"study '{optuna_study.study_name}' ready on {redact(prepared.url)}; pinned "
           f"fp_precision {', '.join(pinned.fp_precision)}; "
@@ -191,15 +190,16 @@ def command_create(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
+    if args.n_trials is None and args.timeout is None:
+        raise UsageError("hpo run: give --n-trials, --timeout or both")
+    n_trials = args.n_trials if args.n_trials is not None else math.inf
+    prepared = prepare(args)
+
     from hpo import hardware, isolation, study
     from hpo.executor import make_worker
     from hpo.report import ConsoleReporter
     from hpo.storage import redact
 
-    if args.n_trials is None and args.timeout is None:
-        raise UsageError("hpo run: give --n-trials, --timeout or both")
-    n_trials = args.n_trials if args.n_trials is not None else math.inf
-    prepared = prepare(args)
     config, device, data, splits = (
         prepared.config, prepared.device, prepared.config.data, prepared.splits)
     hardware.configure_backends(device)

@@ -13,13 +13,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hpo.hardware import PRECISIONS
+from hpo.errors import ConfigError
 
 STUDIES_DIR = Path("configs/studies")
-
-
-class ConfigError(ValueError):
-    """Bad input in a study file or an override; str(e) is one line naming the culprit."""
+PRECISIONS = ("fp16", "bf16", "none")
 
 
 class _Section(BaseModel):

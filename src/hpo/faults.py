@@ -9,15 +9,15 @@ HPO_FAULT_OOM_AT_STEP=K       the K-th optimizer step of each trial's training r
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+from hpo.errors import FaultConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 OOM_ABOVE_BATCH = "HPO_FAULT_OOM_ABOVE_BATCH"
 OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
-
-
-class FaultConfigError(ValueError):
-    """A fault-injection variable that is not an integer."""
 
 
 def _int_env(name: str) -> int | None:
@@ -41,6 +41,8 @@ def install(model: torch.nn.Module) -> None:
     limit = _int_env(OOM_ABOVE_BATCH)
     if limit is None:
         return
+    # torch is imported where faults fire, so the CLI checks the variables before loading it.
+    import torch
 
     def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = kwargs.get("input_ids", args[0] if args else None)
@@ -56,4 +58,6 @@ def install(model: torch.nn.Module) -> None:
 def before_optimizer_step(step: int) -> None:
     """Raise once at the configured optimizer step (1-based, counted per trial)."""
     if step == _int_env(OOM_AT_STEP):
+        import torch
+
         raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {OOM_AT_STEP}={step})")

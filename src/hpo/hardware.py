@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
-PRECISIONS = ("fp16", "bf16", "none")
+from hpo.config import PRECISIONS
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
 

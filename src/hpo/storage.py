@@ -20,6 +20,8 @@ import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from sqlalchemy import exc as sa_exc
 
+from hpo.errors import StorageError
+
 DEFAULT_STORAGE = "sqlite:///hpo.db"
 # How long a call waits for the database to come back before the worker gives up.
 OUTAGE_SECONDS = 300.0
@@ -32,10 +34,6 @@ T = TypeVar("T")
 # Heartbeats and their retry callback are marked experimental in Optuna 5; they are the
 # documented way to reap dead workers' trials, and a worker's log is no place for the notice.
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-
-
-class StorageError(ValueError):
-    """A storage that cannot be opened; str(e) is one line without the password."""
 
 
 def storage_url(option: str | None, from_file: str | None) -> str:

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from hpo.data.errors import DataError
 from hpo.data.redsm5 import (
     ANNOTATIONS_FILE,
     POSTS_FILE,
@@ -13,6 +12,7 @@ from hpo.data.redsm5 import (
     label_names,
     read_redsm5,
 )
+from hpo.errors import DataError
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "redsm5-sample"
 ANNOTATIONS_HEADER = "post_id,sentence_id,sentence_text,DSM5_symptom,status,explanation\n"

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from hpo.data.errors import DataError
 from hpo.data.redsm5 import Post
 from hpo.data.splits import Splits, split_posts
+from hpo.errors import DataError
 
 
 def make_posts(n: int) -> list[Post]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpo.data.errors import DataError
+from hpo.errors import DataError
 
 SYMPTOMS: tuple[str, ...] = (
     "DEPRESSED_MOOD",

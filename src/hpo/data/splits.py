@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from hpo.data.errors import DataError
 from hpo.data.redsm5 import Post
+from hpo.errors import DataError
 
 
 @dataclass(frozen=True)

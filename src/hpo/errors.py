@@ -1,0 +1,38 @@
+"""The errors that mean bad input. Each one's message is one line naming the culprit, and the
+CLI maps every one of them to exit code 2. Nothing heavy is imported here, so `hpo` reports a
+bad study file or option (and shows `--help`) without first loading torch and transformers.
+"""
+
+
+class ConfigError(ValueError):
+    """Bad input in a study file or an override."""
+
+
+class DataError(ValueError):
+    """A problem with a data file, naming the file (and column/row if known).
+
+    Line breaks that a bad value could smuggle in are folded into spaces here rather than
+    trusted to every caller.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.splitlines()))
+
+
+class FaultConfigError(ValueError):
+    """A fault-injection variable that is not an integer."""
+
+
+class ModelError(ValueError):
+    """A model or tokenizer that cannot be loaded."""
+
+
+class SpaceError(ValueError):
+    """The space cannot be searched on this device or disagrees with the study's pinned one."""
+
+
+class StorageError(ValueError):
+    """A storage that cannot be opened; the message carries no password."""
+
+
+BAD_INPUT = (ConfigError, DataError, FaultConfigError, ModelError, SpaceError, StorageError)
