@@ -38,6 +38,15 @@ def test_steps_are_reproducible_and_vary_by_epoch():
     assert a != training_steps(lengths, 16, 4, seed=3, epoch=2)
 
 
+def test_a_steps_samples_change_from_epoch_to_epoch():
+    # Sorting a whole epoch by length would give a step the same company every epoch.
+    lengths = long_tailed_lengths(400)
+    first, second = ([frozenset(i for micro in step for i in micro)
+                      for step in training_steps(lengths, 16, 16, seed=1, epoch=epoch)]
+                     for epoch in (0, 1))
+    assert not set(first) & set(second)
+
+
 def padding_efficiency(lengths, batches) -> float:
     real = sum(lengths[i] for b in batches for i in b)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)

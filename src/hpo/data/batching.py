@@ -19,9 +19,12 @@ import torch
 
 from hpo.data.tasks import Example
 
-# Steps per mega-batch: large enough that sorting finds close lengths, small enough that
-# consecutive steps still mix short and long posts across the epoch.
-MEGABATCH_STEPS = 8
+# Steps per mega-batch: large enough that sorting finds close lengths, small enough that a
+# step's samples still change from epoch to epoch. On 400 ReDSM5-like posts (steps of 16) the
+# real share of the tokens processed is 0.91 at 8 steps, 0.94 at 16, 0.96 from 25 (a whole
+# epoch, where a step's company is fixed by length alone); transformers' group_by_length
+# sorts mega-batches of up to 50 batches.
+MEGABATCH_STEPS = 16
 
 # Batch widths are rounded up to a multiple of 8 (16, 32, ... for longer data) so that a data
 # set has at most MAX_WIDTHS distinct widths, never past its longest example. Few shapes mean
