@@ -6,6 +6,7 @@ trials build a fresh model from them instead of reading the files again.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -93,10 +94,11 @@ class ModelStore:
             torch.manual_seed(seed)
             model = _from_pretrained(resolve(name), num_labels)
             state = {k: v.clone() for k, v in model.state_dict().items()}
-            self._initial[key] = (model.config, state)
+            self._initial[key] = (copy.deepcopy(model.config), state)
             return model
         config, state = self._initial[key]
-        model = _from_config(config)
+        # Each model its own config: training may switch a model's attention in it.
+        model = _from_config(copy.deepcopy(config))
         model.load_state_dict(state)
         return model
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from hpo import faults
+from hpo import cpu_kernels, faults, memory
 from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
 from hpo.hardware import Device, autocast_dtype, loader_settings, supports_fused_adamw
 
@@ -41,6 +41,7 @@ class Plan:
     seed: int
     gradient_checkpointing: bool = False
     compile: bool = False
+    cpu_kernels: bool = True  # hpo.cpu_kernels' attention and dropout when training on a CPU
 
     @property
     def grad_accum_steps(self) -> int:
@@ -82,6 +83,9 @@ def autocast(device: Device, precision: str) -> contextlib.AbstractContextManage
 
 def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Module:
     model.to(device.torch_device)
+    if device.type == "cpu" and plan.cpu_kernels:
+        cpu_kernels.install(model)
+        memory.retain_host_heap()
     faults.install(model)
     if plan.gradient_checkpointing:
         # transformers 5 renamed it; older releases only know the first name.
