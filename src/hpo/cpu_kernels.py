@@ -3,8 +3,8 @@
 On a CPU, `scaled_dot_product_attention` with dropout cannot use its fused kernel and falls back
 to its math path, and every dropout mask is drawn with `bernoulli_`, one serial random number
 per element. On a 2-core Xeon a training step of all-MiniLM (16 x 192 tokens, bf16) spent a
-third of its time in `bernoulli_` and about three quarters in attention (profile in
-benchmarks/README.md). Here the mask comes from 64-bit random words cut into four 16-bit draws
+third of its time in `bernoulli_` and about three quarters in attention and dropout (profile
+in benchmarks/README.md). Here the mask comes from 64-bit random words cut into four 16-bit draws
 (a quarter of the random numbers), and attention with dropout is the plain composition of
 matrix products and a softmax.
 
