@@ -48,6 +48,32 @@ def test_attention_equals_sdpa_when_nothing_is_dropped(monkeypatch, chunk_bytes)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_bf16_inputs_are_attended_in_float32():
+    """As SDPA's math path does: the bf16 values converted first, then scaled and multiplied,
+    so the result equals float32 attention on the same values, not a bf16-rounded one."""
+    q, k, v = (t.detach().to(torch.bfloat16) * 3 for t in qkv())
+    mask = padding_mask()
+    out = cpu_kernels._attend(q, k, v, mask, 8**-0.5, NOTHING_DROPPED)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_additive_float_mask_equals_the_boolean_one():
+    q, k, v = qkv(dtype=torch.float32)
+    mask = padding_mask()
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    torch.manual_seed(0)
+    with_bool, _ = cpu_kernels.attention_forward(Attention(), q, k, v, mask, dropout=0.2)
+    torch.manual_seed(0)
+    with_float, _ = cpu_kernels.attention_forward(Attention(), q, k, v, additive, dropout=0.2)
+    torch.testing.assert_close(with_bool, with_float)
+
+
+def test_a_rate_next_to_one_drops_all_but_a_few():
+    drop, scale = cpu_kernels.dropped_mask(torch.Size((1 << 16,)), 1 - 1e-6)
+    assert scale == 65536 and drop.float().mean() > 0.999
+
+
 def test_attention_drops_probabilities_and_rescales_the_rest():
     q, k, v = qkv(dtype=torch.float32)
     mask, p = padding_mask(), 0.3
@@ -75,16 +101,16 @@ def test_a_row_with_every_key_masked_stays_finite():
 def test_dropout_drops_at_its_rate_and_keeps_the_expectation(p):
     x = torch.ones(1 << 20)
     torch.manual_seed(0)
-    y = cpu_kernels.dropout(x, p)
+    y = cpu_kernels.cheap_dropout(x, p)
     rate = (y == 0).float().mean().item()
     sd = (p * (1 - p) / x.numel()) ** 0.5
     assert abs(rate - p) < 5 * sd
     assert abs(y.mean().item() - 1.0) < 5 * sd / (1 - p)
     assert torch.equal(torch.unique(y), torch.tensor([0.0, 65536 / (65536 - round(p * 65536))]))
     torch.manual_seed(0)
-    assert torch.equal(cpu_kernels.dropout(x, p), y)  # repeatable from the seed
-    assert cpu_kernels.dropout(x, 0.0) is x
-    assert not cpu_kernels.dropout(x, 1.0).any()
+    assert torch.equal(cpu_kernels.cheap_dropout(x, p), y)  # repeatable from the seed
+    assert cpu_kernels.cheap_dropout(x, 0.0) is x
+    assert not cpu_kernels.cheap_dropout(x, 1.0).any()
 
 
 def test_dropout_module_is_the_identity_in_evaluation():
@@ -112,6 +138,8 @@ def test_every_other_case_is_left_to_sdpa(monkeypatch):
         (Attention(), q, k, v, mask, 0.0),  # no dropout
         (Attention(is_causal=True), q, k, v, None, 0.1),  # causal, and no mask says so
         (Attention(), q, k[:, :2], v[:, :2], mask, 0.1),  # grouped key/value heads
+        (Attention(), q[:1], k, v, mask, 0.1),  # one query batch broadcast over the keys'
+        (Attention(), q, k, v, mask.long(), 0.1),  # an integer mask, which SDPA refuses
     ]
     for module, *tensors, p in cases:
         assert cpu_kernels.attention_forward(module, *tensors, dropout=p)[0] == "sdpa"
@@ -164,6 +192,18 @@ def test_installed_bert_trains_like_sdpa_bert(tiny_model, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+def test_a_model_that_does_not_run_sdpa_is_left_alone(tiny_model):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_model), num_labels=9, attn_implementation="eager",
+        ignore_mismatched_sizes=True)
+    assert not cpu_kernels.install(model)
+    assert model.config._attn_implementation == "eager"
+    assert all(type(m) is torch.nn.Dropout for m in model.modules()
+               if isinstance(m, torch.nn.Dropout))
+
+
 def test_training_uses_the_kernels_on_a_cpu_unless_told_not_to(tiny_model):
     plan = dict(precision="none", effective_batch=4, physical_batch=4, eval_batch=4,
                 learning_rate=1e-4, weight_decay=0.0, warmup_ratio=0.0, max_grad_norm=1.0,
@@ -192,7 +232,7 @@ def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 faults()
 default = faults()
-memory.retain_host_heap()
+assert memory.retain_host_heap()
 faults()
 print(default, faults())
 """

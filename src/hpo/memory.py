@@ -56,7 +56,7 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc_trim  # noqa: B018 - glibc only; musl and macOS have none
-        libc.mallopt  # noqa: B018
+        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)  # ctypes would cut a Python int
     except (OSError, AttributeError):
         return None
     return libc
@@ -70,24 +70,29 @@ def _trim_host_heap() -> None:
         libc.malloc_trim(0)
 
 
-# glibc's mallopt parameters (malloc.h).
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MAX_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
+_MAX_MMAP_THRESHOLD = 32 << 20
+_INT_MAX = 2**31 - 1
 
 
-def retain_host_heap() -> None:
-    """Keep the memory a CPU training step frees in glibc's heap until `release_memory`.
+def retain_host_heap() -> bool:
+    """Keep the memory a CPU training step frees in glibc's heap, for the next step; True
+    when glibc took the settings. `release_memory` still hands it back after a trial.
 
-    By default glibc maps every block above a threshold afresh and hands the top of its heap
-    back to the kernel whenever a step frees its activations, so the next step faults every
-    page in again (one fault per 4 KiB: a 28 MiB attention tensor took 6,912 faults and 8.8 ms
-    to fill against 2.3 ms for a reused one). Training allocates the same sizes step after
-    step, so they are kept; `release_memory` trims them after the trial.
+    glibc maps a block above its mmap threshold afresh (the threshold follows the largest
+    block freed, up to 32 MiB), and gives the top of its heap back to the kernel once more
+    than its trim threshold is free there, which a step freeing its activations brings about.
+    The next step then faults every page in again, one fault per 4 KiB: a fresh 28 MiB tensor
+    took 6,912 faults and 8.8 ms to fill, a reused one 2.3 ms. Training allocates the same
+    sizes step after step, so blocks up to 32 MiB come from the heap and the heap is kept.
     """
     libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 40)
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX)
+    )
 
 
 def fits(step: Callable[[int], None], batch: int) -> bool:

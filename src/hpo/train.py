@@ -83,9 +83,10 @@ def autocast(device: Device, precision: str) -> contextlib.AbstractContextManage
 
 def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Module:
     model.to(device.torch_device)
-    if device.type == "cpu" and plan.cpu_kernels:
-        cpu_kernels.install(model)
+    if device.type == "cpu":
         memory.retain_host_heap()
+        if plan.cpu_kernels:
+            cpu_kernels.install(model)
     faults.install(model)
     if plan.gradient_checkpointing:
         # transformers 5 renamed it; older releases only know the first name.
