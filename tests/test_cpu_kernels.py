@@ -7,9 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hpo import cpu_kernels
-from hpo.hardware import detect
 from hpo.models import ModelStore
-from hpo.train import Plan, prepare
 
 NOTHING_DROPPED = 1e-9  # above 0, so the composition runs; below 2^-17, so it drops nothing
 
@@ -202,18 +200,6 @@ def test_a_model_that_does_not_run_sdpa_is_left_alone(tiny_model):
     assert model.config._attn_implementation == "eager"
     assert all(type(m) is torch.nn.Dropout for m in model.modules()
                if isinstance(m, torch.nn.Dropout))
-
-
-def test_training_uses_the_kernels_on_a_cpu_unless_told_not_to(tiny_model):
-    plan = dict(precision="none", effective_batch=4, physical_batch=4, eval_batch=4,
-                learning_rate=1e-4, weight_decay=0.0, warmup_ratio=0.0, max_grad_norm=1.0,
-                epochs=1, seed=0)
-    store = ModelStore()
-    on = prepare(store.build(str(tiny_model), 9, seed=0), Plan(**plan), detect("cpu"))
-    off = prepare(store.build(str(tiny_model), 9, seed=0), Plan(**plan, cpu_kernels=False),
-                  detect("cpu"))
-    assert on.config._attn_implementation == cpu_kernels.ATTENTION
-    assert off.config._attn_implementation == "sdpa"
 
 
 def test_retained_heap_serves_a_steps_activations_without_page_faults():

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import DEMO_DATA
 
+from hpo import cpu_kernels
 from hpo.data.batching import Collator, encode
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.tasks import build_examples
@@ -71,6 +72,15 @@ def plan(**changes) -> Plan:
                 learning_rate=1e-3, weight_decay=0.0, warmup_ratio=0.1, max_grad_norm=1.0,
                 epochs=2, seed=0)
     return Plan(**{**base, **changes})
+
+
+def test_training_uses_the_cpu_kernels_on_a_cpu_unless_told_not_to(setup, tiny_model):
+    store = setup[0]
+    on = prepare(store.build(str(tiny_model), 9, seed=0), plan(), detect("cpu"))
+    off = prepare(store.build(str(tiny_model), 9, seed=0), plan(cpu_kernels=False),
+                  detect("cpu"))
+    assert on.config._attn_implementation == cpu_kernels.ATTENTION
+    assert off.config._attn_implementation == "sdpa"
 
 
 def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
