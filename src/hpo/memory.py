@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpo import onednn
 from hpo.hardware import Device
 
 _OOM_MESSAGES = (
@@ -43,11 +44,13 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def release_memory() -> None:
-    """Collect garbage and return cached device memory; call it outside any `except` block,
-    where the exception's traceback no longer pins the tensors of the failed step."""
+    """Collect garbage and return cached device memory and compiled CPU kernels; call it
+    outside any `except` block, where the exception's traceback no longer pins the tensors of
+    the failed step."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    onednn.clear_primitive_cache()
     _trim_host_heap()
 
 
