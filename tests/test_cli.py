@@ -50,6 +50,16 @@ def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
     out = capsys.readouterr().out
     assert "best trial" in out and "trivial baseline" in out
     assert len(re.findall(r"^trial \d+ value ", out, flags=re.MULTILINE)) == 3
+    assert "kernel cache cannot be emptied" not in out
+
+
+def test_a_worker_warns_when_the_kernel_cache_is_out_of_reach(tiny_study, storage, capsys,
+                                                               monkeypatch):
+    from hpo import onednn
+
+    monkeypatch.setattr(onednn, "cache_api", lambda: None)
+    assert run(tiny_study, storage, 1) == 0
+    assert "warning: oneDNN's kernel cache cannot be emptied" in capsys.readouterr().out
 
 
 def test_run_continues_and_stops_at_the_study_total(tiny_study, storage, capsys):

@@ -195,7 +195,7 @@ def command_run(args: argparse.Namespace) -> int:
     n_trials = args.n_trials if args.n_trials is not None else math.inf
     prepared = prepare(args)
 
-    from hpo import hardware, isolation, study
+    from hpo import hardware, isolation, onednn, study
     from hpo.executor import make_worker
     from hpo.report import ConsoleReporter
     from hpo.storage import redact
@@ -214,6 +214,10 @@ def command_run(args: argparse.Namespace) -> int:
         f"data {len(splits.train)} train / {len(splits.validation)} validation posts, "
         f"task {data.task}, max_length {data.max_length}"
     )
+    if device.type == "cpu" and onednn.cache_api() is None:
+        reporter.message("warning: oneDNN's kernel cache cannot be emptied in this torch build; "
+                         "this worker's memory grows with each new precision and batch shape, "
+                         "up to the cache's capacity")
     if finished >= n_trials:
         reporter.message(f"study '{config.study.name}' already has {finished} finished trials "
                          f"(asked for {n_trials}); nothing to do")
