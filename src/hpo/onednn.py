@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 _LIBRARY = "libtorch_cpu.so"
 _SET, _GET = "dnnl_set_primitive_cache_capacity", "dnnl_get_primitive_cache_capacity"
@@ -116,7 +116,7 @@ def _resolve(mapping: Mapping) -> tuple[Callable, Callable] | None:
     return get, set_
 
 
-def _code_matches(file, bias: int, function: Function, mapping: Mapping) -> bool:
+def _code_matches(file: BinaryIO, bias: int, function: Function, mapping: Mapping) -> bool:
     """The process holds the file's code at bias + address: the library on disk is the one
     loaded (not one reinstalled since), and the address is right."""
     start = bias + function.address
