@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 _LIBRARY = "libtorch_cpu.so"
 _SET, _GET = "dnnl_set_primitive_cache_capacity", "dnnl_get_primitive_cache_capacity"
@@ -62,7 +62,7 @@ class Section(NamedTuple):
 
 class Function(NamedTuple):
     address: int  # link-time address; the loader adds the library's load bias
-    offset: int  # where its code lies in the file
+    code: bytes  # its first bytes in the file, to be found at that address in the process
 
 
 class Mapping(NamedTuple):
@@ -102,9 +102,8 @@ def _resolve(mapping: Mapping) -> tuple[Callable, Callable] | None:
         bias = load_bias(mapping.path)
         if bias is None or len(functions) != 2:
             return None
-        with mapping.path.open("rb") as file:
-            if not all(_code_matches(file, bias, f, mapping) for f in functions.values()):
-                return None
+        if not all(_code_matches(bias, f, mapping) for f in functions.values()):
+            return None
     except (OSError, ValueError, AttributeError, IndexError, struct.error):
         return None
     get = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))(
@@ -116,15 +115,14 @@ def _resolve(mapping: Mapping) -> tuple[Callable, Callable] | None:
     return get, set_
 
 
-def _code_matches(file: BinaryIO, bias: int, function: Function, mapping: Mapping) -> bool:
+def _code_matches(bias: int, function: Function, mapping: Mapping) -> bool:
     """The process holds the file's code at bias + address: the library on disk is the one
     loaded (not one reinstalled since), and the address is right."""
     start = bias + function.address
     if not any(low <= start and start + _COMPARED_BYTES <= high
                for low, high in mapping.executable):
         return False
-    file.seek(function.offset)
-    return ctypes.string_at(start, _COMPARED_BYTES) == file.read(_COMPARED_BYTES)
+    return ctypes.string_at(start, _COMPARED_BYTES) == function.code
 
 
 def _loaded_library() -> Mapping | None:
@@ -181,7 +179,8 @@ def _find_function(elf: mmap.mmap, symtab: Section, sections: list[Section],
             _, info, _, index, value, _ = _SYMBOL.unpack_from(elf, at)
             if info & 0xF == _STT_FUNC and 0 < index < len(sections) and value:
                 home = sections[index]
-                return Function(value, value - home.address + home.offset)
+                offset = value - home.address + home.offset
+                return Function(value, elf[offset:offset + _COMPARED_BYTES])
         at = elf.find(key, at + 1, end)
     return None
 
