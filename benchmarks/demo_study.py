@@ -1,16 +1,23 @@
 """The demo study end to end: wall time, best score against the trivial baseline, per-trial
 overhead (1 - train_seconds / trial_seconds) and the worker's resident memory over trials.
 
-    python benchmarks/demo_study.py [--n-trials 20]
+    python benchmarks/demo_study.py [--n-trials 20] [--set KEY=VALUE ...]
 
 Runs `hpo run --study demo` from the repository root in a fresh SQLite storage, with an empty
 tokenization cache (as on a machine's first run), and prints a markdown report for
-benchmarks/README.md.
+benchmarks/README.md. `--set` passes overrides on, e.g. `--set training.isolate_trials=true`
+or `--set "search_space.model_name=[data/demo/models/tiny-bert]"`.
+
+Memory is read two ways: `worker_rss_mb`, which the process that ran a trial records after
+releasing the trial's memory, and the resident memory of the `hpo run` process itself,
+sampled from outside every 0.2 s and read just after each trial ended. With
+`training.isolate_trials` the two differ: trials run in child processes, the worker waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import platform
 import subprocess
@@ -20,6 +27,7 @@ import time
 from pathlib import Path
 
 import optuna
+import psutil
 import torch
 import transformers
 
@@ -33,17 +41,41 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def run_sampled(command: list[str], env: dict[str, str]) -> list[tuple[float, float]]:
+    """Run `command`, sampling its resident memory (MiB, the process alone) until it exits."""
+    samples = []
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, env=env)
+    watched = psutil.Process(process.pid)
+    while process.poll() is None:
+        try:
+            samples.append((time.time(), watched.memory_info().rss / 2**20))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    if process.wait() != 0:
+        raise SystemExit(f"{' '.join(command)} exited with {process.returncode}")
+    return samples
+
+
+def after(samples: list[tuple[float, float]], moment: float) -> float:
+    """The first sample taken after `moment` (the last one if none is)."""
+    index = bisect.bisect_right([t for t, _ in samples], moment)
+    return samples[min(index, len(samples) - 1)][1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n-trials", type=int, default=20)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE")
     args = parser.parse_args()
+    overrides = [part for item in args.overrides for part in ("--set", item)]
     with tempfile.TemporaryDirectory() as tmp:
         storage = f"sqlite:///{tmp}/demo.db"
         started = time.perf_counter()
-        subprocess.run(
+        samples = run_sampled(
             ["hpo", "run", "--study", "demo", "--n-trials", str(args.n_trials),
-             "--storage", storage],
-            cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+             "--storage", storage, *overrides],
             env={**os.environ, "HPO_CACHE_DIR": f"{tmp}/cache"},
         )
         wall = time.perf_counter() - started
@@ -51,33 +83,46 @@ def main() -> None:
         trials = sorted(study.trials, key=lambda t: t.number)
         baseline = study.user_attrs["baseline"]["macro_f1"]
 
+    worker = [after(samples, t.datetime_complete.timestamp()) for t in trials]
+    recorded = [t.user_attrs["worker_rss_mb"] for t in trials]
     print(f"Machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, "
           f"transformers {transformers.__version__}, optuna {optuna.__version__}; "
           f"{time.strftime('%Y-%m-%d')}\n")
-    print(f"- wall time of `hpo run --study demo --n-trials {args.n_trials}` "
-          f"(process start to exit): **{wall:.0f} s**")
+    shown = " ".join(f"`--set {item}`" for item in args.overrides) or "no overrides"
+    print(f"- `hpo run --study demo --n-trials {args.n_trials}`, {shown}: wall time "
+          f"(process start to exit) **{wall:.0f} s**")
     print(f"- best macro-F1 **{study.best_value:.4f}** (trial {study.best_trial.number}); "
           f"trivial baseline (every symptom for every post) {baseline:.4f}")
     total_trial = sum(t.user_attrs.get("trial_seconds", 0.0) for t in trials)
     total_train = sum(t.user_attrs.get("train_seconds", 0.0) for t in trials)
     print(f"- per-trial overhead 1 - train_seconds / trial_seconds over all trials: "
           f"**{1 - total_train / total_trial:.1%}**")
-    rss = [t.user_attrs["worker_rss_mb"] for t in trials]
-    print(f"- worker resident memory after trial 0: {rss[0]:.0f} MiB, after the last: "
-          f"{rss[-1]:.0f} MiB, highest: {max(rss):.0f} MiB\n")
+    print(f"- `hpo run` process, resident memory after trial 0: {worker[0]:.0f} MiB, after "
+          f"the last: {worker[-1]:.0f} MiB (**{worker[-1] - worker[0]:+.0f} MiB**), highest "
+          f"sampled: {max(rss for _, rss in samples):.0f} MiB")
+    print(f"- `worker_rss_mb` (the process that ran the trial) after trial 0: "
+          f"{recorded[0]:.0f} MiB, after the last: {recorded[-1]:.0f} MiB "
+          f"(**{recorded[-1] - recorded[0]:+.0f} MiB**), highest: {max(recorded):.0f} MiB\n")
+    if len(trials) > 30:
+        step = len(trials) // 10
+        print("| after trial | " + " | ".join(str(t.number) for t in trials[::step]) + " |")
+        print("|---" * (1 + len(trials[::step])) + "|")
+        print("| `hpo run` RSS MiB | " + " | ".join(f"{r:.0f}" for r in worker[::step]) + " |")
+        print("| `worker_rss_mb` | " + " | ".join(f"{r:.0f}" for r in recorded[::step]) + " |")
+        return
     print("| trial | model | fp | eff. batch | phys x accum | lr | state | macro-F1 | "
-          "trial s | train s | tokens from | samples/s | padding eff. | RSS MiB |")
-    print("|" + "|".join(" --- " if i in (1, 2, 6, 10) else " ---: " for i in range(14)) + "|")
-    for t in trials:
+          "trial s | train s | samples/s | padding eff. | `hpo run` RSS MiB | "
+          "`worker_rss_mb` |")
+    print("|" + "|".join(" --- " if i in (1, 2, 6) else " ---: " for i in range(14)) + "|")
+    for t, rss in zip(trials, worker, strict=True):
         a, p = t.user_attrs, t.params
         value = f"{t.value:.4f}" if t.value is not None else a.get("prune_reason", "")
         print(f"| {t.number} | {Path(p['model_name']).name} | {p['fp_precision']} | "
               f"{p['target_effective_batch_size']} | {a.get('physical_batch_size')} x "
               f"{a.get('grad_accum_steps')} | {p['learning_rate']:.2e} | {t.state.name} | "
               f"{value} | {a.get('trial_seconds', 0):.1f} | {a.get('train_seconds', 0):.1f} | "
-              f"{a.get('tokenization', '')} | "
               f"{a.get('samples_per_second', 0):.0f} | {a.get('padding_efficiency', 0):.3f} | "
-              f"{a.get('worker_rss_mb', 0):.0f} |")
+              f"{rss:.0f} | {a.get('worker_rss_mb', 0):.0f} |")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import shutil
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
 
@@ -134,3 +139,26 @@ def any_storage(request, tmp_path) -> str:
     url = fresh_database()
     yield url
     drop_database(url)
+
+
+@pytest.fixture
+def one_model_study(tmp_path, tiny_model, small_data) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(study_dict([tiny_model], small_data)))
+    return path
+
+
+def start_worker(study_file: Path, storage: str, n: int, *extra: str,
+                 env: dict | None = None) -> subprocess.Popen:
+    """`hpo run` in a process of its own, as a user (or compose) starts a worker."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpo.cli", "run", "--config", str(study_file),
+         "--storage", storage, "--n-trials", str(n), *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+    )
+
+
+def trial_states(storage: str, name: str = "tiny") -> Counter:
+    study = optuna.load_study(study_name=name, storage=storage)
+    return Counter(t.state for t in study.trials)

@@ -1,7 +1,6 @@
 """`hpo run` end to end on tiny models: the storage holds what DESIGN.md §2 promises."""
 
 import re
-from collections import defaultdict
 
 import optuna
 import pytest
@@ -50,99 +49,6 @@ def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
     out = capsys.readouterr().out
     assert "best trial" in out and "trivial baseline" in out
     assert len(re.findall(r"^trial \d+ value ", out, flags=re.MULTILINE)) == 3
-    assert "kernel cache cannot be emptied" not in out
-
-
-def test_a_worker_warns_when_the_kernel_cache_is_out_of_reach(tiny_study, storage, capsys,
-                                                               monkeypatch):
-    from hpo import onednn
-
-    monkeypatch.setattr(onednn, "cache_api", lambda: None)
-    assert run(tiny_study, storage, 1) == 0
-    assert "warning: oneDNN's kernel cache cannot be emptied" in capsys.readouterr().out
-
-
-def test_run_continues_and_stops_at_the_study_total(tiny_study, storage, capsys):
-    assert run(tiny_study, storage, 2) == 0
-    assert run(tiny_study, storage, 2) == 0
-    assert "nothing to do" in capsys.readouterr().out
-    assert len(load(storage).trials) == 2
-    assert run(tiny_study, storage, 3) == 0
-    assert len(load(storage).trials) == 3
-
-
-def test_oom_above_batch_gives_physical_batch_four_and_a_cached_search(
-    tiny_study, storage, monkeypatch
-):
-    monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "5")
-    assert run(tiny_study, storage, 6) == 0
-    trials = sorted(load(storage).trials, key=lambda t: t.number)
-    assert all(t.state == TrialState.COMPLETE for t in trials)
-    probes = defaultdict(list)
-    for trial in trials:
-        assert trial.user_attrs["physical_batch_size"] == 4
-        assert trial.user_attrs["effective_batch_size"] == (
-            trial.params["target_effective_batch_size"])
-        probes[trial.params["model_name"]].append(trial.user_attrs["batch_probes"])
-    assert probes, "no trial ran"
-    for model_probes in probes.values():
-        assert 1 <= model_probes[0] <= 9
-        assert all(p == 0 for p in model_probes[1:])
-
-
-def test_oom_at_step_prunes_every_trial_and_the_worker_goes_on(tiny_study, storage, monkeypatch):
-    monkeypatch.setenv("HPO_FAULT_OOM_AT_STEP", "2")
-    assert run(tiny_study, storage, 4) == 0
-    trials = load(storage).trials
-    assert len(trials) == 4
-    for trial in trials:
-        assert trial.state == TrialState.PRUNED
-        assert trial.user_attrs["prune_reason"] == "oom"
-        assert "out of memory" in trial.user_attrs["error"]
-    study = load(storage)
-    lowered = [v for k, v in study.user_attrs.items() if k.startswith("batch_limit:")]
-    assert lowered and all(v["smallest_fail"] is not None for v in lowered)
-
-
-def test_nan_loss_prunes_the_trial(tiny_study, storage, monkeypatch):
-    import math
-
-    import hpo.train
-
-    original = hpo.train.micro_batch_loss
-    monkeypatch.setattr(hpo.train, "micro_batch_loss",
-                        lambda *a, **k: original(*a, **k) * math.nan)
-    assert run(tiny_study, storage, 2) == 0
-    for trial in load(storage).trials:
-        assert trial.state == TrialState.PRUNED
-        assert trial.user_attrs["prune_reason"] == "nan_loss"
-
-
-def test_other_errors_fail_the_trial_and_stop_a_failing_worker(tiny_study, storage, monkeypatch,
-                                                              capsys):
-    import hpo.executor
-
-    def broken(*args, **kwargs):
-        raise ValueError("broken collate")
-
-    monkeypatch.setattr(hpo.executor, "train", broken)
-    assert run(tiny_study, storage, 5) == 1
-    trials = load(storage).trials
-    assert len(trials) == 3
-    for trial in trials:
-        assert trial.state == TrialState.FAIL
-        assert trial.user_attrs["error"] == "ValueError: broken collate"
-    assert "3 trials in a row failed; last error: ValueError: broken collate" in (
-        capsys.readouterr().err)
-
-
-def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
-    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
-    assert run(tiny_study, storage, 2, "--set", "training.epochs=3") == 0
-    for trial in load(storage).trials:
-        assert trial.state == TrialState.PRUNED
-        assert trial.user_attrs["prune_reason"] == "pruner"
-        assert list(trial.intermediate_values) == [1]
 
 
 def test_a_changed_space_is_refused(tiny_study, storage, capsys):

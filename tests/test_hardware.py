@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,50 @@ def test_loader_settings_follow_the_device():
     assert gpu.pin_memory and gpu.persistent_workers and gpu.num_workers >= 1
 
 
-def test_backend_flags_on_ampere_only(monkeypatch):
+def test_backend_flags_on_ampere_only():
     import torch
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    hardware.configure_backends(T4)
-    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
-    hardware.configure_backends(A100)
-    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
+    flags = (torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "benchmark")
+    saved = [getattr(owner, name) for owner, name in flags]
+    try:
+        for owner, name in flags:
+            setattr(owner, name, False)
+        hardware.configure_backends(T4)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
+        hardware.configure_backends(A100)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
+    finally:
+        for (owner, name), value in zip(flags, saved, strict=True):
+            setattr(owner, name, value)
+
+
+@pytest.fixture
+def unset_kernel_caches(monkeypatch):
+    """The cache variables absent, and restored to what they were after the test."""
+    for name in hardware.CPU_KERNEL_CACHES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_a_cpu_worker_bounds_the_kernel_caches(unset_kernel_caches):
+    hardware.configure_backends(CPU_AVX2)
+    for name, value in hardware.CPU_KERNEL_CACHES.items():
+        assert os.environ[name] == value
+
+
+def test_a_users_own_kernel_cache_settings_win(unset_kernel_caches, monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
+    hardware.configure_backends(CPU_AVX512_BF16)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "4096"
+    assert os.environ["LRU_CACHE_CAPACITY"] == hardware.CPU_KERNEL_CACHES["LRU_CACHE_CAPACITY"]
+
+
+def test_a_gpu_worker_sets_no_cpu_variable(unset_kernel_caches):
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark
+    try:
+        hardware.configure_backends(A100)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark = saved
+    assert not set(hardware.CPU_KERNEL_CACHES) & set(os.environ)

@@ -1,7 +1,7 @@
 import pytest
 from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
 
-from hpo import hardware_check, onednn
+from hpo import hardware_check
 from hpo.cli import main
 
 
@@ -37,12 +37,3 @@ def test_real_cpu_run(capsys):
     for line in ("fp32:", "bf16:", "fp16:", "ms/step", "x fp32", "fp_precision: auto searches"):
         assert line in out
     assert "fp16: emulated" in out or "fp16: native" in out
-    assert "compiled kernels (oneDNN): emptied after every trial" in out
-
-
-def test_a_torch_build_whose_kernel_cache_is_out_of_reach_says_so(monkeypatch):
-    monkeypatch.setattr(onednn, "cache_api", lambda: None)
-    text = hardware_check.render(hardware_check.inspect(CPU_AVX2, measured=False))
-    assert "compiled kernels (oneDNN): out of reach in this torch build" in text
-    assert "compiled kernels" not in hardware_check.render(
-        hardware_check.inspect(T4, measured=False))

@@ -1,11 +1,8 @@
-import math
-
-import optuna
 import pytest
 import torch
 
 from hpo import memory
-from hpo.memory import BatchLimit, StudyBatchCache
+from hpo.memory import BatchLimit
 
 
 @pytest.mark.parametrize(
@@ -131,17 +128,6 @@ def test_merge_keeps_the_tighter_bounds():
     assert BatchLimit(10, None).merge(BatchLimit(20, 40)) == BatchLimit(20, 40)
     assert BatchLimit(30, 40).merge(BatchLimit(0, 25)) == BatchLimit(24, 25)
     assert BatchLimit(16, None).after_oom(16) == BatchLimit(15, 16)
-
-
-def test_study_cache_round_trip_and_lowering():
-    study = optuna.create_study()
-    cache = StudyBatchCache(study)
-    assert cache.get("k") == BatchLimit()
-    cache.update("k", BatchLimit(5, 6))
-    assert StudyBatchCache(study).get("k") == BatchLimit(5, 6)
-    lowered = cache.lower("k", 4)
-    assert lowered == BatchLimit(3, 4)
-    assert memory.physical_batch(lowered, 32, 0.9) == math.floor(0.9 * 3)
 
 
 def linear_device(static: int, per_sample: int, capacity: int):

@@ -1,10 +1,13 @@
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import DEMO_DATA
 
-from hpo import cpu_kernels
 from hpo.data.batching import Collator, encode
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.tasks import build_examples
@@ -74,15 +77,6 @@ def plan(**changes) -> Plan:
     return Plan(**{**base, **changes})
 
 
-def test_training_uses_the_cpu_kernels_on_a_cpu_unless_told_not_to(setup, tiny_model):
-    store = setup[0]
-    on = prepare(store.build(str(tiny_model), 9, seed=0), plan(), detect("cpu"))
-    off = prepare(store.build(str(tiny_model), 9, seed=0), plan(cpu_kernels=False),
-                  detect("cpu"))
-    assert on.config._attn_implementation == cpu_kernels.ATTENTION
-    assert off.config._attn_implementation == "sdpa"
-
-
 def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     store, tokenizer, data = setup
     device = detect("cpu")
@@ -135,3 +129,39 @@ def test_too_few_examples_for_one_step(setup, tiny_model):
     with pytest.raises(ValueError, match="fewer than one effective batch of 64"):
         train(model, data, p, device, pad_id=tokenizer.pad_token_id,
               evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+
+
+PREPARE_FOR_CUDA = """
+import os, sys, torch
+from conftest import A100
+from hpo.models import ModelStore
+from hpo.train import prepare
+import test_train
+
+model = ModelStore().build(sys.argv[1], 9, seed=0)
+before_modules = [type(m) for m in model.modules()]
+before_imports, before_env = set(sys.modules), dict(os.environ)
+moved = []
+model.to = lambda device: moved.append(device) or model  # no GPU here: nothing to move to
+prepared = prepare(model, test_train.plan(), A100)
+assert moved == [torch.device("cuda", 0)], moved
+assert prepared is model and prepared.training
+assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+assert [type(m) for m in model.modules()] == before_modules
+assert not model._forward_pre_hooks and not model._forward_hooks
+assert dict(os.environ) == before_env
+new = sorted(m for m in set(sys.modules) - before_imports if m.startswith("hpo"))
+assert new == [], new
+print("ok")
+"""
+
+
+def test_preparing_a_model_for_a_cuda_device_installs_nothing_cpu_specific(tiny_model):
+    """The GPU path trains the model as transformers builds it: SDPA attention, PyTorch's
+    dropout, no hooks, no new hpo module imported and no environment variable set."""
+    result = subprocess.run(
+        [sys.executable, "-c", PREPARE_FOR_CUDA, str(tiny_model)],
+        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("HPO_FAULT_")},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

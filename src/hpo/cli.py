@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import sys
-import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait f
     from hpo.storage import ResilientRDBStorage
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_BAD_INPUT = 0, 1, 2
-BASELINE = "every symptom predicted for every post"
 
 
 class UsageError(ValueError):
@@ -192,65 +190,19 @@ def command_create(args: argparse.Namespace) -> int:
 def command_run(args: argparse.Namespace) -> int:
     if args.n_trials is None and args.timeout is None:
         raise UsageError("hpo run: give --n-trials, --timeout or both")
-    n_trials = args.n_trials if args.n_trials is not None else math.inf
     prepared = prepare(args)
 
-    from hpo import hardware, isolation, onednn, study
-    from hpo.executor import make_worker
-    from hpo.report import ConsoleReporter
-    from hpo.storage import redact
+    from hpo import worker
 
-    config, device, data, splits = (
-        prepared.config, prepared.device, prepared.config.data, prepared.splits)
-    hardware.configure_backends(device)
-    optuna_study, pinned = study.join(config, prepared.storage, device)
-    reporter = ConsoleReporter()
-    worker = make_worker(config, pinned, device, splits)
-    finished = study.finished_count(optuna_study)
-    budget = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"
-    reporter.message(
-        f"study '{config.study.name}' on {redact(prepared.url)}: {budget}; "
-        f"device {device.describe()}; fp_precision searched: {', '.join(pinned.fp_precision)}; "
-        f"data {len(splits.train)} train / {len(splits.validation)} validation posts, "
-        f"task {data.task}, max_length {data.max_length}"
-    )
-    if device.type == "cpu" and onednn.cache_api() is None:
-        reporter.message("warning: oneDNN's kernel cache cannot be emptied in this torch build; "
-                         "this worker's memory grows with each new precision and batch shape, "
-                         "up to the cache's capacity")
-    if finished >= n_trials:
-        reporter.message(f"study '{config.study.name}' already has {finished} finished trials "
-                         f"(asked for {n_trials}); nothing to do")
-        reporter.best(optuna_study)
-        return EXIT_OK
-    if not config.training.isolate_trials:
-        began = time.perf_counter()
-        sources = worker.preload()
-        reporter.message(
-            f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
-            f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
-        )
-    objective = config.study.objective
-    baseline = worker.baseline().get(objective)
-    optuna_study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
-    optuna_study.set_user_attr("objective", objective)
-    run_trial = (
-        isolation.in_child(config, pinned, device, prepared.url, prepared.storage)
-        if config.training.isolate_trials else study.in_process(worker, reporter)
-    )
     try:
-        result = study.run_worker(
-            optuna_study, prepared.storage, run_trial, reporter, n_trials=n_trials,
-            timeout=args.timeout, max_consecutive_failures=config.study.max_consecutive_failures,
+        worker.work(
+            prepared.config, prepared.splits, prepared.device, prepared.url, prepared.storage,
+            n_trials=args.n_trials if args.n_trials is not None else math.inf,
+            timeout=args.timeout,
         )
-    except study.WorkerStopped as exc:
+    except worker.WorkerStopped as exc:
         print(f"hpo: worker stopped: {exc}", file=sys.stderr)
         return EXIT_UNEXPECTED
-    reporter.message(f"this worker ran {result.ran} trials; the study has "
-                     f"{result.finished_after} finished")
-    reporter.best(optuna_study)
-    reporter.message(f"trivial baseline ({BASELINE}): {objective} {baseline:.4f} "
-                     f"on the validation split")
     return EXIT_OK
 
 
@@ -351,6 +303,7 @@ def command_hardware(args: argparse.Namespace) -> int:
     from hpo import hardware, hardware_check
 
     device = hardware.detect(args.device)
+    hardware.configure_backends(device)  # measured as a worker would run
     print(hardware_check.render(hardware_check.inspect(device, steps=args.steps)))
     return EXIT_OK
 

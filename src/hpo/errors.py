@@ -36,3 +36,9 @@ class StorageError(ValueError):
 
 
 BAD_INPUT = (ConfigError, DataError, FaultConfigError, ModelError, SpaceError, StorageError)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line of at most 500 characters, for a trial attribute or a log line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:500]

@@ -1,18 +1,20 @@
 """One trial: parameters -> batch search -> training -> metrics, and what becomes of it.
 
-`execute` is the one place where an exception turns into a trial state: a pruner's verdict,
-an out-of-memory error or a non-finite loss prune the trial (with `prune_reason`); anything
-else fails that trial alone, with the error recorded on it.
+A trial is planned (its parameters, the physical batch that fits, the derived `Plan`), then
+trained. `execute` is the one place where an exception turns into a trial state: a pruner's
+verdict, an out-of-memory error or a non-finite loss prune the trial (with `prune_reason`);
+anything else fails that trial alone, with the error recorded on it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import optuna
@@ -21,15 +23,13 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import memory, metrics
-from hpo.config import StudyConfig
-from hpo.data import token_cache
+from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
-from hpo.data.redsm5 import label_names, read_redsm5
-from hpo.data.splits import Splits, split_posts
-from hpo.data.tasks import Example, build_examples
+from hpo.errors import one_line
 from hpo.hardware import Device, library_versions
-from hpo.models import ModelStore
-from hpo.space import Params, PinnedSpace, suggest
+from hpo.resources import Resources
+from hpo.space import Params, suggest
+from hpo.study import StudyBatchCache
 from hpo.train import (
     NonFiniteLoss,
     Plan,
@@ -56,82 +56,23 @@ class Outcome:
     error: str | None = None
 
 
-@dataclass
-class Worker:
-    """What a worker keeps across trials: data, tokenized splits, models, device."""
+@dataclass(frozen=True)
+class TrialPlan:
+    """A trial before training: its parameters, their training settings, the runtime plan
+    and the data it trains on."""
 
-    config: StudyConfig
-    pinned: PinnedSpace
-    device: Device
-    train_examples: list[Example]
-    validation_examples: list[Example]
-    label_names: tuple[str, ...]
-    models: ModelStore = field(default_factory=ModelStore)
-    token_cache_dir: Path | None = field(default_factory=token_cache.default_dir)
-    _encoded: dict[str, tuple[Encoded, Encoded]] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return f"{socket.gethostname()}:{os.getpid()}"
-
-    def encoded(self, model_name: str) -> tuple[Encoded, Encoded, str]:
-        """Both splits tokenized for this model, and where they came from: this worker's
-        memory, the machine's disk cache, or the tokenizer."""
-        if model_name in self._encoded:
-            return *self._encoded[model_name], "worker memory"
-        tokenizer = self.models.tokenizer(model_name)
-        max_length = self.config.data.max_length
-        train, train_hit = token_cache.cached_encode(
-            tokenizer, self.train_examples, max_length, self.token_cache_dir
-        )
-        validation, validation_hit = token_cache.cached_encode(
-            tokenizer, self.validation_examples, max_length, self.token_cache_dir
-        )
-        self._encoded[model_name] = (train, validation)
-        return train, validation, "disk cache" if train_hit and validation_hit else "tokenizer"
-
-    def preload(self) -> dict[str, str]:
-        """Every model of the search space read and its splits tokenized before the first
-        trial, so the worker holds from the start what it would hold after each model's first
-        trial. Returns where each model's tokens came from."""
-        sources = {}
-        for name in self.pinned.declared["model_name"]:
-            try:
-                train, _, sources[name] = self.encoded(name)
-                self.models.build(name, train.labels.shape[1], seed=self.config.training.seed)
-            except Exception as exc:  # the trials that draw this model fail with the error
-                sources[name] = f"not loaded: {_one_line(exc)}"
-        memory.release_memory()
-        return sources
-
-    def gold(self) -> torch.Tensor:
-        """The validation posts' labels as a post x label grid."""
-        labels = torch.tensor([e.labels for e in self.validation_examples])
-        return metrics.as_grid(labels, len(self.label_names)).bool()
-
-    def baseline(self) -> metrics.Scores:
-        return metrics.all_positive_baseline(self.gold(), self.label_names)
+    params: Params
+    training: TrainingConfig
+    plan: Plan
+    batch_key: str  # the batch-size cache entry the physical batch came from
+    probes: int
+    train_data: Encoded
+    validation_data: Encoded
+    pad_id: int
 
 
-def make_worker(
-    config: StudyConfig, pinned: PinnedSpace, device: Device, splits: Splits | None = None
-) -> Worker:
-    """A worker for this study's data, reading and splitting it unless `splits` is given."""
-    data = config.data
-    if splits is None:
-        posts = read_redsm5(data.dir, special_case=data.special_case)
-        splits = split_posts(posts, validation=data.validation_fraction,
-                             test=data.test_fraction, seed=data.split_seed)
-    return Worker(
-        config=config,
-        pinned=pinned,
-        device=device,
-        train_examples=build_examples(splits.train, data.task, special_case=data.special_case),
-        validation_examples=build_examples(
-            splits.validation, data.task, special_case=data.special_case
-        ),
-        label_names=label_names(data.special_case),
-    )
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def cache_key(params: Params, max_length: int, device: Device) -> str:
@@ -139,35 +80,34 @@ def cache_key(params: Params, max_length: int, device: Device) -> str:
 
 
 def execute(
-    study: optuna.Study, trial: optuna.Trial, worker: Worker, reporter: Reporter
+    study: optuna.Study, trial: optuna.Trial, resources: Resources, reporter: Reporter
 ) -> tuple[Outcome, FrozenTrial]:
     """Run one trial to its end and tell the study how it ended."""
     started = time.perf_counter()
-    trial.set_user_attr("worker", worker.name)
-    trial.set_user_attr("device", worker.device.describe())
+    trial.set_user_attr("worker", worker_name())
+    trial.set_user_attr("device", resources.device.describe())
     trial.set_user_attr("versions", library_versions())
-    cache = memory.StudyBatchCache(study)
-    state: dict[str, object] = {}
-    oom = False
+    cache = StudyBatchCache(study)
+    planned: TrialPlan | None = None
     try:
-        value = _run(trial, worker, reporter, cache, state)
-        outcome = Outcome(TrialState.COMPLETE, value=value)
+        planned = plan_trial(trial, resources, cache)
+        reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
+        outcome = Outcome(TrialState.COMPLETE, value=train_trial(trial, planned, resources,
+                                                                 reporter))
     except optuna.TrialPruned:
         outcome = Outcome(TrialState.PRUNED, prune_reason="pruner")
     except NonFiniteLoss as exc:
         outcome = Outcome(TrialState.PRUNED, prune_reason="nan_loss", error=str(exc))
     except Exception as exc:
         if memory.is_oom(exc):
-            oom = True
-            outcome = Outcome(TrialState.PRUNED, prune_reason="oom", error=_one_line(exc))
+            outcome = Outcome(TrialState.PRUNED, prune_reason="oom", error=one_line(exc))
         else:
-            outcome = Outcome(TrialState.FAIL, error=_one_line(exc))
+            outcome = Outcome(TrialState.FAIL, error=one_line(exc))
             trial.set_user_attr("traceback", traceback.format_exc()[-4000:])
     # Outside the except block: the traceback no longer holds the failed step's tensors.
-    state.pop("model", None)
     memory.release_memory()
-    if oom and "key" in state:
-        lowered = cache.lower(str(state["key"]), int(state["physical"]))
+    if outcome.prune_reason == "oom" and planned is not None:
+        lowered = cache.lower(planned.batch_key, planned.plan.physical_batch)
         trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
     if outcome.prune_reason:
         trial.set_user_attr("prune_reason", outcome.prune_reason)
@@ -179,27 +119,17 @@ def execute(
     return outcome, finished
 
 
-def _run(
-    trial: optuna.Trial,
-    worker: Worker,
-    reporter: Reporter,
-    cache: memory.StudyBatchCache,
-    state: dict[str, object],
-) -> float:
-    config, device = worker.config, worker.device
-    params = suggest(trial, worker.pinned)
+def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache) -> TrialPlan:
+    """Sample the parameters, find the physical batch that fits and derive the plan; the
+    settings are recorded on the trial."""
+    config, device = resources.config, resources.device
+    params = suggest(trial, resources.pinned)
     training = config.training.model_copy(update=params.extras)
     began = time.perf_counter()
-    train_data, validation_data, source = worker.encoded(params.model_name)
+    train_data, validation_data, source = resources.encoded(params.model_name)
     trial.set_user_attr("tokenization", source)
     trial.set_user_attr("tokenization_seconds", round(time.perf_counter() - began, 3))
-    tokenizer = worker.models.tokenizer(params.model_name)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    num_labels = train_data.labels.shape[1]
-
-    def build() -> torch.nn.Module:
-        return worker.models.build(params.model_name, num_labels, seed=training.seed)
-
+    tokenizer = resources.models.tokenizer(params.model_name)
     base = Plan(
         precision=params.fp_precision,
         effective_batch=params.target_effective_batch_size,
@@ -216,13 +146,14 @@ def _run(
     )
     key = cache_key(params, config.data.max_length, device)
     bound = min(params.target_effective_batch_size, training.max_physical_batch_size)
+    build = functools.partial(resources.models.build, params.model_name,
+                              train_data.labels.shape[1], seed=training.seed)
     probe_length = min(config.data.max_length, tokenizer.model_max_length)
     limit, probes = _find_batch(build, base, device, key, bound, cache, probe_length)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
     plan = replace(
         base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
     )
-    state.update(key=key, physical=physical)
     trial.set_user_attr("physical_batch_size", physical)
     trial.set_user_attr("grad_accum_steps", plan.grad_accum_steps)
     trial.set_user_attr("effective_batch_size", plan.effective_batch)
@@ -231,18 +162,30 @@ def _run(
     trial.set_user_attr("samples_dropped_per_epoch", len(train_data) % plan.effective_batch)
     # The resolved settings beside the result, enough to repeat the run.
     trial.set_user_attr("training", training.model_dump(mode="json"))
-    reporter.trial_started(trial.number, params, plan, probes)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TrialPlan(params, training, plan, key, probes, train_data, validation_data, pad_id)
 
-    model = prepare(build(), plan, device)
-    state["model"] = model
-    gold = worker.gold()
-    objective = config.study.objective
+
+def train_trial(
+    trial: optuna.Trial, planned: TrialPlan, resources: Resources, reporter: Reporter
+) -> float:
+    """Train the planned trial, reporting each epoch's score for pruning; returns the last
+    epoch's score."""
+    plan, device = planned.plan, resources.device
+    model = resources.models.build(
+        planned.params.model_name, planned.train_data.labels.shape[1], seed=planned.training.seed
+    )
+    model = prepare(model, plan, device)
+    gold = resources.gold()
+    objective = resources.config.study.objective
     scores: list[metrics.Scores] = []
+    progress: Progress | None = None
 
     def evaluate(m: torch.nn.Module) -> float:
-        probabilities = predict(m, validation_data, plan.eval_batch, device, plan.precision, pad_id)
-        grid = metrics.as_grid(probabilities > 0.5, len(worker.label_names))
-        scores.append(metrics.f1_scores(grid, gold, worker.label_names))
+        probabilities = predict(m, planned.validation_data, plan.eval_batch, device,
+                                plan.precision, planned.pad_id)
+        grid = metrics.as_grid(probabilities > 0.5, len(resources.label_names))
+        scores.append(metrics.f1_scores(grid, gold, resources.label_names))
         return scores[-1].get(objective)
 
     def on_epoch(epoch: int, score: float) -> None:
@@ -252,25 +195,25 @@ def _run(
         if epoch < plan.epochs and trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
 
-    def on_step(progress: Progress) -> None:
-        state["progress"] = progress
-        reporter.step(trial.number, progress, plan.epochs)
+    def on_step(latest: Progress) -> None:
+        nonlocal progress
+        progress = latest
+        reporter.step(trial.number, latest, plan.epochs)
 
-    pos_weight = (
-        balanced_pos_weight(train_data.labels) if training.pos_weight == "balanced" else None
-    )
+    pos_weight = (balanced_pos_weight(planned.train_data.labels)
+                  if planned.training.pos_weight == "balanced" else None)
     try:
-        train(model, train_data, plan, device, pad_id=pad_id, evaluate=evaluate,
-              on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
+        train(model, planned.train_data, plan, device, pad_id=planned.pad_id,
+              evaluate=evaluate, on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
     finally:
-        _record_progress(trial, state.get("progress"), scores)
+        _record_progress(trial, progress, scores)
     return scores[-1].get(objective)
 
 
 def _record_progress(
-    trial: optuna.Trial, progress: object, scores: list[metrics.Scores]
+    trial: optuna.Trial, progress: Progress | None, scores: list[metrics.Scores]
 ) -> None:
-    if isinstance(progress, Progress):
+    if progress is not None:
         trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
         trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
         trial.set_user_attr("train_seconds", round(progress.train_seconds, 3))
@@ -282,8 +225,8 @@ def _record_progress(
 
 
 def _find_batch(
-    build, plan: Plan, device: Device, key: str, bound: int,
-    cache: memory.StudyBatchCache, length: int,
+    build: Callable[[], torch.nn.Module], plan: Plan, device: Device, key: str, bound: int,
+    cache: StudyBatchCache, length: int,
 ) -> tuple[memory.BatchLimit, int]:
     known = cache.get(key)
     holder: dict[str, torch.nn.Module] = {}
@@ -302,8 +245,3 @@ def _find_batch(
     if limit.largest_ok == 0:
         raise torch.OutOfMemoryError(f"out of memory even at micro-batch 1 ({key})")
     return limit, result.probes
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}"[:500]

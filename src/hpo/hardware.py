@@ -79,13 +79,8 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def supports_fused_adamw(device: Device) -> bool:
-    # Fused AdamW has CUDA kernels and, since torch 2.4, CPU ones.
-    return device.type == "cuda" or (device.type == "cpu" and _torch_at_least(2, 4))
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    parts = torch.__version__.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) >= (major, minor)
+    # Fused AdamW has CUDA kernels and, since torch 2.4 (the oldest hpo installs), CPU ones.
+    return device.type in ("cuda", "cpu")
 
 
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -129,8 +124,21 @@ def detect(requested: str = "auto") -> Device:
     )
 
 
+# On a CPU, oneDNN compiles a kernel for every new (operation, precision, shape) and keeps it:
+# up to 1,024 in its process-wide cache and 1,024 more per thread in ideep's, torch's layer over
+# it, so a worker grew by up to 50 MiB with each trial that brought a new batch size or
+# precision. Both caches are bounded through their documented variables, read at a thread's
+# first oneDNN call; 256 kernels hold every shape of a trial (all of its batch widths).
+CPU_KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "1"}
+
+
 def configure_backends(device: Device) -> None:
-    """TF32 matmuls and cuDNN autotuning where they are free speed (Ampere and newer)."""
+    """Process-wide settings for the device, before its first training step: TF32 matmuls
+    and cuDNN autotuning where they are free speed (Ampere and newer); on a CPU, bounded
+    kernel caches, unless the user set those variables."""
+    if device.type == "cpu":
+        for name, value in CPU_KERNEL_CACHES.items():
+            os.environ.setdefault(name, value)
     if device.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from hpo import onednn
 from hpo.config import PRECISIONS
 from hpo.hardware import Device, native_precisions
 
@@ -31,7 +30,6 @@ class Report:
     measurements: tuple[Measurement, ...]
     searched: tuple[str, ...]
     reasons: dict[str, str]
-    kernel_cache_emptied: bool | None = None  # CPU only: oneDNN's cache emptied per trial
 
 
 def support(device: Device) -> dict[str, str]:
@@ -127,7 +125,6 @@ def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
         measurements=measure(device, steps) if measured else (),
         searched=native_precisions(device),
         reasons=reasons(device),
-        kernel_cache_emptied=onednn.cache_api() is not None if device.type == "cpu" else None,
     )
 
 
@@ -145,11 +142,6 @@ def render(report: Report) -> str:
             label = "fp32" if m.precision == "none" else m.precision
             lines.append(f"  {label:>4}: {1000 * m.step_seconds:8.1f} ms/step  "
                          f"{m.speedup:5.2f}x fp32  {m.peak_memory_mb:7.1f} MiB")
-    if report.kernel_cache_emptied is not None:
-        lines.append(
-            "compiled kernels (oneDNN): emptied after every trial" if report.kernel_cache_emptied
-            else "compiled kernels (oneDNN): out of reach in this torch build, kept up to "
-            "oneDNN's capacity: a worker's memory grows with each new batch shape")
     searched = ", ".join(report.searched)
     lines.append(f"fp_precision: auto searches {searched} on this device:")
     for precision in PRECISIONS:

@@ -18,7 +18,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config import StudyConfig
-from hpo.executor import Outcome, execute, make_worker
+from hpo.executor import Outcome, execute
 from hpo.hardware import Device
 from hpo.space import PinnedSpace, suggest
 
@@ -29,7 +29,7 @@ def in_child(
     config: StudyConfig, pinned: PinnedSpace, device: Device, url: str,
     storage: optuna.storages.BaseStorage,
 ):
-    """A trial runner for study.run_worker that runs every trial in a new process."""
+    """A trial runner for worker.run_worker that runs every trial in a new process."""
     # spawn, not fork: the parent holds threads (heartbeat, torch's pools) and open
     # connections that a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
@@ -79,6 +79,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int) -> None:
     _die_with_parent(parent)
     from hpo import hardware, models
     from hpo.report import ConsoleReporter
+    from hpo.resources import load_resources
     from hpo.storage import open_storage
     from hpo.study import make_pruner
 
@@ -90,5 +91,5 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int) -> None:
     storage = open_storage(payload["url"])
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
-    worker = make_worker(config, PinnedSpace.from_json(payload["pinned"]), device)
-    execute(study, optuna.trial.Trial(study, trial_id), worker, ConsoleReporter())
+    resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
+    execute(study, optuna.trial.Trial(study, trial_id), resources, ConsoleReporter())

@@ -1,8 +1,10 @@
-"""Out-of-memory handling: recognise an OOM, free memory, and find the largest batch that fits.
+"""Out-of-memory handling: recognise an OOM, release memory, and find the largest batch that
+fits.
 
-The search result is cached per key (model, precision, max_length, device) as an interval:
-the largest micro-batch known to fit and the smallest known to fail. Intervals from several
-workers merge by taking the tighter bounds, so concurrent writers cannot widen them.
+A search result is an interval per key (model, precision, max_length, device): the largest
+micro-batch known to fit and the smallest known to fail. Intervals from several workers merge
+by taking the tighter bounds, so concurrent writers cannot widen them; the study keeps them
+(`hpo.study.StudyBatchCache`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hpo import onednn
 from hpo.hardware import Device
 
 _OOM_MESSAGES = (
@@ -44,58 +45,25 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def release_memory() -> None:
-    """Collect garbage and return cached device memory and compiled CPU kernels; call it
+    """Collect garbage, return the GPU's cached blocks and the host heap's free pages; call it
     outside any `except` block, where the exception's traceback no longer pins the tensors of
     the failed step."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    onednn.clear_primitive_cache()
-    _trim_host_heap()
+    malloc_trim = _malloc_trim()
+    if malloc_trim is not None:
+        # glibc keeps the freed activations of every batch shape in its arenas; without a
+        # trim a worker's resident memory ratchets up trial after trial.
+        malloc_trim(0)
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim  # noqa: B018 - glibc only; musl and macOS have none
-        libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)  # ctypes would cut a Python int
-    except (OSError, AttributeError):
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: musl and macOS have no malloc_trim
         return None
-    return libc
-
-
-def _trim_host_heap() -> None:
-    # glibc keeps the freed activations of every batch shape in its arenas; without a trim a
-    # CPU worker's resident memory ratchets up trial after trial.
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MAX_MMAP_THRESHOLD = 32 << 20
-_INT_MAX = 2**31 - 1
-
-
-def retain_host_heap() -> bool:
-    """Keep the memory a CPU training step frees in glibc's heap, for the next step; True
-    when glibc took the settings. `release_memory` still hands it back after a trial.
-
-    glibc maps a block above its mmap threshold afresh (the threshold follows the largest
-    block freed, up to 32 MiB), and gives the top of its heap back to the kernel once more
-    than its trim threshold is free there, which a step freeing its activations brings about.
-    The next step then faults every page in again, one fault per 4 KiB: a fresh 28 MiB tensor
-    took 6,912 faults and 8.8 ms to fill, a reused one 2.3 ms. Training allocates the same
-    sizes step after step, so blocks up to 32 MiB come from the heap and the heap is kept.
-    """
-    libc = _libc()
-    if libc is None:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD)) and bool(
-        libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX)
-    )
 
 
 def fits(step: Callable[[int], None], batch: int) -> bool:
@@ -259,25 +227,3 @@ def eval_batch(limit: BatchLimit, physical: int, bound: int) -> int:
     if limit.smallest_fail is not None and limit.smallest_fail <= bound:
         return max(physical, limit.largest_ok)
     return 2 * physical
-
-
-class StudyBatchCache:
-    """Batch limits kept as study user attributes, so every worker of the study sees them."""
-
-    PREFIX = "batch_limit:"
-
-    def __init__(self, study) -> None:
-        self._study = study
-
-    def get(self, key: str) -> BatchLimit:
-        stored = self._study.user_attrs.get(self.PREFIX + key)
-        return BatchLimit.from_json(stored) if stored else BatchLimit()
-
-    def update(self, key: str, limit: BatchLimit) -> BatchLimit:
-        # Re-read just before writing: another worker may have learnt something meanwhile.
-        merged = self.get(key).merge(limit)
-        self._study.set_user_attr(self.PREFIX + key, merged.to_json())
-        return merged
-
-    def lower(self, key: str, batch: int) -> BatchLimit:
-        return self.update(key, BatchLimit().after_oom(batch))

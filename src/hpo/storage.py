@@ -31,10 +31,6 @@ MAX_BACKOFF = 10.0
 
 T = TypeVar("T")
 
-# Heartbeats and their retry callback are marked experimental in Optuna 5; they are the
-# documented way to reap dead workers' trials, and a worker's log is no place for the notice.
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-
 
 def storage_url(option: str | None, from_file: str | None) -> str:
     """--storage, else HPO_STORAGE, else the study file, else the embedded SQLite file."""
@@ -148,18 +144,21 @@ def open_storage(
                          "pool_recycle": 1800}
         if backend == "postgresql":
             engine_kwargs["connect_args"] = {"connect_timeout": 5}
-    callback = (
-        RetryHeartbeatStaleTrialCallback(max_retry=max_retry) if heartbeat_interval else None
-    )
     deadline = time.monotonic() + start_seconds
     attempt = 0
     while True:
         attempt += 1
         try:
-            return ResilientRDBStorage(
-                url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                grace_period=grace_period, heartbeat_stale_trial_callback=callback,
-            )
+            with warnings.catch_warnings():
+                # Heartbeats and their retry callback are marked experimental in Optuna 5;
+                # they are its documented way to reap dead workers' trials.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                callback = (RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+                            if heartbeat_interval else None)
+                return ResilientRDBStorage(
+                    url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period, heartbeat_stale_trial_callback=callback,
+                )
         except ModuleNotFoundError as exc:
             raise StorageError(f"storage {safe}: database driver missing ({exc.name})") from None
         except Exception as exc:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from hpo import cpu_kernels, faults, memory
+from hpo import faults
 from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
 from hpo.hardware import Device, autocast_dtype, loader_settings, supports_fused_adamw
 
@@ -41,7 +41,6 @@ class Plan:
     seed: int
     gradient_checkpointing: bool = False
     compile: bool = False
-    cpu_kernels: bool = True  # hpo.cpu_kernels' attention and dropout when training on a CPU
 
     @property
     def grad_accum_steps(self) -> int:
@@ -83,10 +82,6 @@ def autocast(device: Device, precision: str) -> contextlib.AbstractContextManage
 
 def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Module:
     model.to(device.torch_device)
-    if device.type == "cpu":
-        memory.retain_host_heap()
-        if plan.cpu_kernels:
-            cpu_kernels.install(model)
     faults.install(model)
     if plan.gradient_checkpointing:
         # transformers 5 renamed it; older releases only know the first name.

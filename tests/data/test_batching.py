@@ -74,7 +74,7 @@ def test_collator_pads_to_the_longest_in_the_batch():
     import torch
 
     data = Encoded.pack([(5, 6, 7), (8,)], None, torch.tensor([[1.0], [0.0]]))
-    batch = Collator(data, pad_id=0, multiple=1)([1, 0])
+    batch = Collator(data, pad_id=0)([1, 0])
     assert batch["input_ids"].tolist() == [[8, 0, 0], [5, 6, 7]]
     assert batch["attention_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert batch["labels"].tolist() == [[0.0], [1.0]]
@@ -87,7 +87,7 @@ def test_collator_pads_token_types_of_pairs():
     data = Encoded.pack([(5, 6), (7, 8, 9, 10)], [(0, 1), (0, 0, 1, 1)],
                         torch.tensor([[1.0], [0.0]]))
     assert data.lengths == [2, 4] and len(data) == 2
-    batch = Collator(data, pad_id=3, multiple=1)([0, 1])
+    batch = Collator(data, pad_id=3)([0, 1])
     assert batch["input_ids"].tolist() == [[5, 6, 3, 3], [7, 8, 9, 10]]
     assert batch["token_type_ids"].tolist() == [[0, 1, 0, 0], [0, 0, 1, 1]]
 
@@ -95,11 +95,11 @@ def test_collator_pads_token_types_of_pairs():
 def test_widths_round_up_to_the_multiple_but_never_past_the_longest_example():
     import torch
 
-    data = Encoded.pack([(5,) * 3, (6,) * 17, (7,) * 40], None, torch.zeros((3, 1)))
-    collate = Collator(data, pad_id=0, multiple=16)
+    data = Encoded.pack([(5,) * 3, (6,) * 17, (7,) * 140], None, torch.zeros((3, 1)))
+    collate = Collator(data, pad_id=0)  # the longest is 140: widths are multiples of 16
     assert collate([0])["input_ids"].shape == (1, 16)
     assert collate([0, 1])["input_ids"].shape == (2, 32)
-    assert collate([2, 0])["input_ids"].shape == (2, 40)  # 48 would pass the longest (40)
+    assert collate([2, 0])["input_ids"].shape == (2, 140)  # 144 would pass the longest
     assert collate([0])["attention_mask"].sum() == 3
     assert padded_width(32, 16, 512) == 32
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from hpo.data.redsm5 import SPECIAL_CASE, SYMPTOMS, Post, label_names
-from hpo.data.tasks import CRITERIA, TASKS, build_examples, num_labels
+from hpo.data.tasks import CRITERIA, build_examples
 
 POSTS = [
     Post("a", "I can't sleep and I feel worthless.", frozenset({"SLEEP_ISSUES", "WORTHLESSNESS"})),
@@ -19,20 +19,12 @@ def test_criteria_describe_every_label_in_one_sentence() -> None:
         assert "\n" not in description
 
 
-def test_num_labels() -> None:
-    assert TASKS == ("multilabel", "nli_pairs")
-    assert num_labels("multilabel") == 9
-    assert num_labels("multilabel", special_case=True) == 10
-    assert num_labels("nli_pairs") == 1
-    assert num_labels("nli_pairs", special_case=True) == 1
-
-
 def test_multilabel_vectors() -> None:
     examples = build_examples(POSTS, "multilabel")
     assert [e.post_id for e in examples] == ["a", "b", "c"]
     first = examples[0]
     assert first.text == POSTS[0].text
-    assert first.text_pair is None and first.label_index is None
+    assert first.text_pair is None
     expected = [0.0] * 9
     expected[SYMPTOMS.index("SLEEP_ISSUES")] = 1.0
     expected[SYMPTOMS.index("WORTHLESSNESS")] = 1.0
@@ -56,12 +48,12 @@ def test_nli_pairs(special_case: bool) -> None:
     assert len(examples) == len(POSTS) * len(names) == len(POSTS) * (10 if special_case else 9)
     for post_index, post in enumerate(POSTS):
         pairs = examples[post_index * len(names) : (post_index + 1) * len(names)]
-        assert [e.label_index for e in pairs] == list(range(len(names)))
         for example, name in zip(pairs, names, strict=True):
             assert example.post_id == post.post_id and example.text == post.text
             assert example.text_pair == CRITERIA[name]
             assert example.labels == ((1.0,) if name in post.symptoms else (0.0,))
-    yes = {(e.post_id, names[e.label_index]) for e in examples if e.labels == (1.0,)}
+    criterion = {text: name for name, text in CRITERIA.items()}
+    yes = {(e.post_id, criterion[e.text_pair]) for e in examples if e.labels == (1.0,)}
     expected = {("a", "SLEEP_ISSUES"), ("a", "WORTHLESSNESS")}
     assert yes == (expected | {("c", SPECIAL_CASE)} if special_case else expected)
 
@@ -69,8 +61,6 @@ def test_nli_pairs(special_case: bool) -> None:
 def test_unknown_task() -> None:
     with pytest.raises(ValueError, match="nli_pairs"):
         build_examples(POSTS, "regression")
-    with pytest.raises(ValueError, match="multilabel"):
-        num_labels("ranking")
 
 
 def test_examples_are_frozen() -> None:

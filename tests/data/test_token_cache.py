@@ -14,7 +14,7 @@ from hpo.models import resolve
 
 
 def post(text: str, labels: tuple[float, ...], pair: str | None = None) -> Example:
-    return Example("p", text, pair, labels, None if pair is None else 0)
+    return Example("p", text, pair, labels)
 
 
 EXAMPLES = [

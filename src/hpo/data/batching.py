@@ -135,11 +135,10 @@ def eval_batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
 class Collator:
     data: Encoded
     pad_id: int
-    multiple: int | None = None  # None: pad_multiple(the data's longest example)
 
     def __call__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         lengths, bounds = self.data.lengths, self.data.bounds
-        multiple = self.multiple or pad_multiple(self.data.longest)
+        multiple = pad_multiple(self.data.longest)
         width = padded_width(max(lengths[i] for i in indices), multiple, self.data.longest)
         ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(indices), width), dtype=torch.long)

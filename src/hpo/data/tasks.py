@@ -37,13 +37,6 @@ class Example:
     text: str
     text_pair: str | None  # None for multilabel; the criterion description for nli_pairs
     labels: tuple[float, ...]  # multilabel: one 0/1 per label name; nli_pairs: (1.0,) or (0.0,)
-    label_index: int | None  # nli_pairs: index of the criterion in label_names; else None
-
-
-def num_labels(task: str, special_case: bool = False) -> int:
-    """Width of the classification head for a task."""
-    _check_task(task)
-    return len(label_names(special_case)) if task == "multilabel" else 1
 
 
 def build_examples(
@@ -59,7 +52,6 @@ def build_examples(
                 text=post.text,
                 text_pair=None,
                 labels=tuple(float(name in post.symptoms) for name in names),
-                label_index=None,
             )
             for post in posts
         ]
@@ -69,10 +61,9 @@ def build_examples(
             text=post.text,
             text_pair=CRITERIA[name],
             labels=(float(name in post.symptoms),),
-            label_index=index,
         )
         for post in posts
-        for index, name in enumerate(names)
+        for name in names
     ]
 
 

@@ -1,0 +1,95 @@
+"""What a worker process keeps across trials: the study's examples, each model's tokenized
+splits and initial weights, built once and drawn on by every trial of the process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hpo import memory, metrics
+from hpo.config import StudyConfig
+from hpo.data import token_cache
+from hpo.data.batching import Encoded
+from hpo.data.redsm5 import label_names, read_redsm5
+from hpo.data.splits import Splits, split_posts
+from hpo.data.tasks import Example, build_examples
+from hpo.errors import one_line
+from hpo.hardware import Device
+from hpo.models import ModelStore
+from hpo.space import PinnedSpace
+
+
+@dataclass
+class Resources:
+    """The study's settings and device, and the caches of data, tokens and models."""
+
+    config: StudyConfig
+    pinned: PinnedSpace
+    device: Device
+    train_examples: list[Example]
+    validation_examples: list[Example]
+    label_names: tuple[str, ...]
+    models: ModelStore = field(default_factory=ModelStore)
+    token_cache_dir: Path | None = field(default_factory=token_cache.default_dir)
+    _encoded: dict[str, tuple[Encoded, Encoded]] = field(default_factory=dict)
+
+    def encoded(self, model_name: str) -> tuple[Encoded, Encoded, str]:
+        """Both splits tokenized for this model, and where they came from: this process's
+        memory, the machine's disk cache, or the tokenizer."""
+        if model_name in self._encoded:
+            return *self._encoded[model_name], "worker memory"
+        tokenizer = self.models.tokenizer(model_name)
+        max_length = self.config.data.max_length
+        train, train_hit = token_cache.cached_encode(
+            tokenizer, self.train_examples, max_length, self.token_cache_dir
+        )
+        validation, validation_hit = token_cache.cached_encode(
+            tokenizer, self.validation_examples, max_length, self.token_cache_dir
+        )
+        self._encoded[model_name] = (train, validation)
+        return train, validation, "disk cache" if train_hit and validation_hit else "tokenizer"
+
+    def preload(self) -> dict[str, str]:
+        """Every model of the search space read and its splits tokenized before the first
+        trial, so the process holds from the start what it would hold after each model's
+        first trial. Returns where each model's tokens came from."""
+        sources = {}
+        for name in self.pinned.declared["model_name"]:
+            try:
+                train, _, sources[name] = self.encoded(name)
+                self.models.build(name, train.labels.shape[1], seed=self.config.training.seed)
+            except Exception as exc:  # the trials that draw this model fail with the error
+                sources[name] = f"not loaded: {one_line(exc)}"
+        memory.release_memory()
+        return sources
+
+    def gold(self) -> torch.Tensor:
+        """The validation posts' labels as a post x label grid."""
+        labels = torch.tensor([e.labels for e in self.validation_examples])
+        return metrics.as_grid(labels, len(self.label_names)).bool()
+
+    def baseline(self) -> metrics.Scores:
+        return metrics.all_positive_baseline(self.gold(), self.label_names)
+
+
+def load_resources(
+    config: StudyConfig, pinned: PinnedSpace, device: Device, splits: Splits | None = None
+) -> Resources:
+    """The resources for this study's data, reading and splitting it unless `splits` is given."""
+    data = config.data
+    if splits is None:
+        posts = read_redsm5(data.dir, special_case=data.special_case)
+        splits = split_posts(posts, validation=data.validation_fraction,
+                             test=data.test_fraction, seed=data.split_seed)
+    return Resources(
+        config=config,
+        pinned=pinned,
+        device=device,
+        train_examples=build_examples(splits.train, data.task, special_case=data.special_case),
+        validation_examples=build_examples(
+            splits.validation, data.task, special_case=data.special_case
+        ),
+        label_names=label_names(data.special_case),
+    )

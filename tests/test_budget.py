@@ -1,0 +1,82 @@
+"""The study-wide budget: counts taken in the database, the claim rule, the lock every worker
+claims under, and eight real workers ending exactly on the budget."""
+
+import threading
+import time
+
+import optuna
+import pytest
+from conftest import start_worker, trial_states
+from optuna.trial import TrialState
+
+from hpo import budget
+from hpo.budget import Counts
+from hpo.storage import open_storage
+
+
+def test_counts_in_the_database_match_the_study(any_storage):
+    storage = open_storage(any_storage)
+    study = optuna.create_study(study_name="b", storage=storage)
+    for state in (TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+        trial = study.ask()
+        study.tell(trial, 0.5 if state == TrialState.COMPLETE else None, state=state)
+    study.ask()  # running
+    study.enqueue_trial({})  # waiting
+    study_id = storage.get_study_id_from_name("b")
+    with budget.study_lock(storage.engine, "b") as connection:
+        counted = budget.count_in_database(connection, study_id)
+    assert counted == budget.count(study) == Counts(complete=2, pruned=1, running=1,
+                                                    waiting=1, failed=1)
+    assert (counted.finished, counted.claimed) == (3, 5)
+    storage.engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("counts", "claims"),
+    [
+        (Counts(complete=3), False),  # the budget of 3 is spent
+        (Counts(complete=1, running=2), False),  # the rest is running elsewhere
+        (Counts(complete=1, running=1, failed=5), True),  # failed trials free their slot
+        (Counts(complete=2, running=1, waiting=1), True),  # a retry already holds a slot
+    ],
+)
+def test_a_worker_claims_only_below_the_budget(counts, claims):
+    assert budget.may_claim(counts, 3) is claims
+
+
+def test_the_study_lock_excludes_other_holders(any_storage):
+    engine = open_storage(any_storage).engine
+    order: list[str] = []
+    held = threading.Event()
+
+    def first() -> None:
+        with budget.study_lock(engine, "b"):
+            order.append("first in")
+            held.set()
+            time.sleep(0.5)
+            order.append("first out")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    held.wait(timeout=10)
+    with budget.study_lock(engine, "b"):
+        order.append("second in")
+    thread.join()
+    assert order == ["first in", "first out", "second in"]
+    engine.dispose()
+
+
+@pytest.mark.slow
+def test_eight_workers_end_exactly_on_budget(tiny_study, pg_url):
+    procs = [start_worker(tiny_study, pg_url, 40) for _ in range(8)]
+    try:
+        for p in procs:
+            assert p.wait(timeout=900) == 0, p.stderr.read()[-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    counts = trial_states(pg_url)
+    assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 40
+    assert sum(counts.values()) == 40, counts

@@ -1,0 +1,114 @@
+"""One trial from parameters to result, and the one place where exceptions become trial
+states: out of memory, a non-finite loss and the pruner prune; anything else fails the trial
+alone. Real training of tiny models; OOMs injected (HPO_FAULT_*)."""
+
+import math
+from collections import defaultdict
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from hpo.cli import main
+
+
+def run(study_file, storage, n, *extra) -> int:
+    return main(["run", "--config", str(study_file), "--storage", storage,
+                 "--n-trials", str(n), *extra])
+
+
+def trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    return sorted(study.trials, key=lambda t: t.number)
+
+
+@pytest.fixture
+def storage(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'hpo.db'}"
+
+
+def test_oom_above_batch_gives_physical_batch_four_and_a_cached_search(
+    tiny_study, storage, monkeypatch
+):
+    monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "5")
+    assert run(tiny_study, storage, 6) == 0
+    probes = defaultdict(list)
+    for trial in trials(storage):
+        assert trial.state == TrialState.COMPLETE
+        assert trial.user_attrs["physical_batch_size"] == 4
+        assert trial.user_attrs["effective_batch_size"] == (
+            trial.params["target_effective_batch_size"])
+        assert trial.user_attrs["grad_accum_steps"] == math.ceil(
+            trial.params["target_effective_batch_size"] / 4)
+        probes[trial.params["model_name"]].append(trial.user_attrs["batch_probes"])
+    assert probes, "no trial ran"
+    for model_probes in probes.values():
+        assert 1 <= model_probes[0] <= 9
+        assert all(p == 0 for p in model_probes[1:])
+
+
+def test_oom_in_training_prunes_the_trial_and_lowers_the_cached_batch(
+    tiny_study, storage, monkeypatch
+):
+    monkeypatch.setenv("HPO_FAULT_OOM_AT_STEP", "2")
+    assert run(tiny_study, storage, 4) == 0
+    ended = trials(storage)
+    assert len(ended) == 4
+    for trial in ended:
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "oom"
+        assert "out of memory" in trial.user_attrs["error"]
+        lowered = trial.user_attrs["batch_limit_after_oom"]
+        assert lowered["smallest_fail"] <= trial.user_attrs["physical_batch_size"]
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    limits = [v for k, v in study.user_attrs.items() if k.startswith("batch_limit:")]
+    assert limits and all(v["smallest_fail"] is not None for v in limits)
+
+
+def test_nan_loss_prunes_the_trial(tiny_study, storage, monkeypatch):
+    import hpo.train
+
+    original = hpo.train.micro_batch_loss
+    monkeypatch.setattr(hpo.train, "micro_batch_loss",
+                        lambda *a, **k: original(*a, **k) * math.nan)
+    assert run(tiny_study, storage, 2) == 0
+    for trial in trials(storage):
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "nan_loss"
+        assert trial.user_attrs["error"].startswith("loss nan at epoch 1, step 1")
+
+
+def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    assert run(tiny_study, storage, 2, "--set", "training.epochs=3") == 0
+    for trial in trials(storage):
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "pruner"
+        assert list(trial.intermediate_values) == [1]
+
+
+def test_the_last_epoch_is_never_pruned(tiny_study, storage, monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    assert run(tiny_study, storage, 1, "--set", "training.epochs=1") == 0
+    (trial,) = trials(storage)
+    assert trial.state == TrialState.COMPLETE and list(trial.intermediate_values) == [1]
+
+
+def test_other_errors_fail_the_trial_with_the_error_recorded(tiny_study, storage, monkeypatch,
+                                                             capsys):
+    import hpo.executor
+
+    def broken(*args, **kwargs):
+        raise ValueError("broken collate")
+
+    monkeypatch.setattr(hpo.executor, "train", broken)
+    assert run(tiny_study, storage, 5) == 1
+    ended = trials(storage)
+    assert len(ended) == 3  # then the worker's circuit breaker stops it
+    for trial in ended:
+        assert trial.state == TrialState.FAIL
+        assert trial.user_attrs["error"] == "ValueError: broken collate"
+        assert "raise ValueError(\"broken collate\")" in trial.user_attrs["traceback"]
+        assert trial.user_attrs["physical_batch_size"] >= 1  # planned before it failed
+    assert "3 trials in a row failed; last error: ValueError: broken collate" in (
+        capsys.readouterr().err)

@@ -1,0 +1,114 @@
+"""Storage URLs, passwords kept out of every message, and workers that wait out a database
+outage without losing a result."""
+
+import re
+import time
+from collections import Counter
+
+import optuna
+import pytest
+import sqlalchemy
+from conftest import start_worker, trial_states
+from optuna.trial import TrialState
+
+from hpo import storage
+from hpo.cli import main
+from hpo.errors import StorageError
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def test_storage_url_precedence(monkeypatch):
+    monkeypatch.delenv("HPO_STORAGE", raising=False)
+    assert storage.storage_url(None, None) == "sqlite:///hpo.db"
+    assert storage.storage_url(None, "sqlite:///file.db") == "sqlite:///file.db"
+    monkeypatch.setenv("HPO_STORAGE", "sqlite:///env.db")
+    assert storage.storage_url(None, "sqlite:///file.db") == "sqlite:///env.db"
+    assert storage.storage_url("sqlite:///option.db", "sqlite:///file.db") == (
+        "sqlite:///option.db")
+
+
+def test_redact_hides_the_password():
+    url = "postgresql+psycopg2://hpo:Sup3rS3cret@db:5432/hpo"
+    assert storage.redact(url) == "postgresql+psycopg2://hpo:***@db:5432/hpo"
+    assert storage.redact("::not a url::") == "<unparseable storage URL>"
+
+
+def test_only_connection_errors_are_retried():
+    lost = sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("server closed"))
+    wrapped = RuntimeError("during tell")
+    wrapped.__cause__ = lost
+    assert storage.is_connection_error(lost) and storage.is_connection_error(wrapped)
+    assert not storage.is_connection_error(ValueError("bad value"))
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise lost
+        return "written"
+
+    assert storage.retrying(flaky, seconds=30, what="test") == "written" and len(calls) == 3
+    with pytest.raises(ValueError):
+        storage.retrying(lambda: (_ for _ in ()).throw(ValueError("x")), seconds=30, what="t")
+
+
+def test_an_unreachable_storage_at_start_is_bad_input_without_the_password():
+    url = "postgresql+psycopg2://hpo:Sup3rS3cret@127.0.0.1:1/hpo"
+    with pytest.raises(StorageError) as caught:
+        storage.open_storage(url, start_seconds=0)
+    assert "Sup3rS3cret" not in str(caught.value) and "***" in str(caught.value)
+
+
+def test_password_never_printed(tiny_study, capsys):
+    url = "postgresql+psycopg2://postgres:Sup3rS3cret@127.0.0.1:5432/postgres"
+    main(["status", "--config", str(tiny_study), "--storage", url])
+    captured = capsys.readouterr()
+    assert "Sup3rS3cret" not in captured.out + captured.err
+
+
+@pytest.mark.slow
+def test_workers_survive_a_database_outage(tiny_study, tmp_path):
+    from postgres import PrivateServer
+
+    server = PrivateServer(tmp_path)
+    server.start()
+    procs = []
+    try:
+        url = server.url
+        slow = ["--set", "training.epochs=6"]
+        procs = [start_worker(tiny_study, url, 12, *slow) for _ in range(2)]
+        deadline = time.monotonic() + 300
+        finished = 0
+        while finished < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                finished = sum(trial_states(url)[s] for s in FINISHED)
+            except Exception:
+                finished = 0
+        assert finished >= 3, "the study did not get going"
+        server.stop()
+        time.sleep(20)
+        server.start_again()
+        outputs = []
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+            outputs.append(out)
+        study = optuna.load_study(study_name="tiny", storage=url)
+        counts = Counter(t.state for t in study.trials)
+        assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 12
+        assert counts[TrialState.RUNNING] == counts[TrialState.WAITING] == 0
+        # Every result a worker reported is in the storage, with the same value.
+        stored = {t.number: t.value for t in study.trials}
+        reported = [(int(n), float(v)) for out in outputs
+                    for n, v in re.findall(r"^trial (\d+) value ([\d.]+)", out, re.MULTILINE)]
+        assert len(reported) == counts[TrialState.COMPLETE]
+        for number, value in reported:
+            assert stored[number] == pytest.approx(value, abs=1e-4)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.destroy()

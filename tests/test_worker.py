@@ -1,0 +1,136 @@
+"""The worker loop: the study-wide total, the circuit breaker, and a dead worker's trial
+failed and retried by a live one. Real storages, real processes."""
+
+import signal
+import time
+from collections import Counter
+
+import optuna
+import pytest
+from conftest import start_worker, trial_states
+from optuna.trial import TrialState
+
+from hpo.cli import main
+from hpo.executor import Outcome
+from hpo.storage import open_storage
+from hpo.worker import WorkerStopped, run_worker
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+class Quiet:
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+    def trial_finished(self, trial, outcome) -> None: ...
+
+
+def ending_in(state: TrialState):
+    """A trial runner that ends every trial in `state` at once, with no training."""
+
+    def run(study: optuna.Study, trial: optuna.Trial):
+        trial.suggest_float("x", 0.0, 1.0)
+        value = 0.5 if state == TrialState.COMPLETE else None
+        return Outcome(state, value=value, error="broken"), study.tell(trial, value, state=state)
+
+    return run
+
+
+@pytest.fixture
+def bare_study(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 'w.db'}")
+    return optuna.create_study(study_name="w", storage=storage), storage
+
+
+def test_a_worker_stops_at_the_study_total(bare_study):
+    study, storage = bare_study
+    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), n_trials=3)
+    assert (result.ran, result.finished) == (3, 3)
+    again = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), n_trials=3)
+    assert (again.ran, again.finished) == (0, 3)
+
+
+def test_failed_trials_free_their_slot_and_three_in_a_row_stop_the_worker(bare_study):
+    study, storage = bare_study
+    with pytest.raises(WorkerStopped, match="3 trials in a row failed; last error: broken"):
+        run_worker(study, storage, ending_in(TrialState.FAIL), Quiet(), n_trials=2)
+    assert Counter(t.state for t in study.trials) == {TrialState.FAIL: 3}
+
+
+def test_a_timeout_stops_claiming(bare_study):
+    study, storage = bare_study
+    reporter = Quiet()
+    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), reporter,
+                        n_trials=float("inf"), timeout=1e-9)
+    assert result.ran == 0 and "timeout of 1e-09s reached" in reporter.messages
+
+
+def test_run_on_each_backend(tiny_study, any_storage):
+    assert main(["run", "--config", str(tiny_study), "--storage", any_storage,
+                 "--n-trials", "2"]) == 0
+    assert trial_states(any_storage)[TrialState.COMPLETE] == 2
+
+
+def test_run_continues_and_stops_at_the_study_total(tiny_study, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    run = ["run", "--config", str(tiny_study), "--storage", storage, "--n-trials"]
+    assert main([*run, "2"]) == 0
+    assert main([*run, "2"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert sum(trial_states(storage).values()) == 2
+    assert main([*run, "3"]) == 0
+    assert sum(trial_states(storage).values()) == 3
+
+
+def wait_for(condition, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+def test_killed_worker_trial_is_failed_and_retried_by_a_waiting_worker(tiny_study, pg_url):
+    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
+    # One storage (one small connection pool) for all the polling below.
+    storage = optuna.storages.RDBStorage(pg_url)
+
+    def running() -> int:
+        try:
+            study = optuna.load_study(study_name="tiny", storage=storage)
+        except KeyError:
+            return 0
+        return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+    # Training settings are the worker's own (only the search space is pinned): the victim's
+    # trial outlasts the survivor's start-up, the survivor's trials are quick.
+    victim = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=1000", env=env)
+    survivor = None
+    try:
+        wait_for(lambda: running() == 1 or victim.poll() is not None)
+        survivor = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=5", env=env)
+        wait_for(lambda: running() == 2 or survivor.poll() is not None)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        # The survivor finishes its own trial, then has nothing to claim (1 finished + 1
+        # running = 2): only its reaping while it waits can fail the dead worker's trial.
+        assert survivor.wait(timeout=600) == 0, survivor.stderr.read()[-2000:]
+    finally:
+        for process in (victim, survivor):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert len(failed) == 1
+    killed = failed[0]
+    retries = [t for t in study.trials if t.user_attrs.get("retry_of") == killed.number]
+    assert len(retries) == 1 and retries[0].state in FINISHED
+    assert retries[0].params == killed.params
+    counts = Counter(t.state for t in study.trials)
+    assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 2
+    assert counts[TrialState.RUNNING] == counts[TrialState.WAITING] == 0
+    storage.engine.dispose()
