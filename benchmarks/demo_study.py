@@ -104,11 +104,11 @@ def main() -> None:
           f"{recorded[0]:.0f} MiB, after the last: {recorded[-1]:.0f} MiB "
           f"(**{recorded[-1] - recorded[0]:+.0f} MiB**), highest: {max(recorded):.0f} MiB\n")
     if len(trials) > 30:
-        step = len(trials) // 10
-        print("| after trial | " + " | ".join(str(t.number) for t in trials[::step]) + " |")
-        print("|---" * (1 + len(trials[::step])) + "|")
-        print("| `hpo run` RSS MiB | " + " | ".join(f"{r:.0f}" for r in worker[::step]) + " |")
-        print("| `worker_rss_mb` | " + " | ".join(f"{r:.0f}" for r in recorded[::step]) + " |")
+        shown = [*range(0, len(trials) - 1, len(trials) // 10), len(trials) - 1]
+        print("| after trial | " + " | ".join(str(trials[i].number) for i in shown) + " |")
+        print("|---" * (1 + len(shown)) + "|")
+        print("| `hpo run` RSS MiB | " + " | ".join(f"{worker[i]:.0f}" for i in shown) + " |")
+        print("| `worker_rss_mb` | " + " | ".join(f"{recorded[i]:.0f}" for i in shown) + " |")
         return
     print("| trial | model | fp | eff. batch | phys x accum | lr | state | macro-F1 | "
           "trial s | train s | samples/s | padding eff. | `hpo run` RSS MiB | "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -20,7 +19,6 @@ from hpo.hardware import Device
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_DATA = REPO / "data" / "demo"
-SHARED_SAMPLE = REPO.parent / "shared" / "data" / "redsm5-sample"
 
 T4 = Device("cuda", "Tesla T4", 16 * 2**30, compute_capability=(7, 5), index=0)
 A100 = Device("cuda", "NVIDIA A100-SXM4-40GB", 40 * 2**30, compute_capability=(8, 0), index=0)
@@ -45,6 +43,17 @@ def token_cache_dir(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "hpo-cache"
     monkeypatch.setenv("HPO_CACHE_DIR", str(directory))
     return directory / "tokens"
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache_variables(monkeypatch) -> None:
+    """Each test starts without the kernel-cache variables a CPU worker sets in its process
+    (an in-process `hpo run` sets them), and the workers it starts set their own."""
+    from hpo.hardware import CPU_KERNEL_CACHES
+
+    for name in CPU_KERNEL_CACHES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="session")
@@ -109,13 +118,6 @@ def tiny_study(tmp_path, tiny_model, tiny_model_b, small_data) -> Path:
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(study_dict([tiny_model, tiny_model_b], small_data)))
     return path
-
-
-@pytest.fixture
-def copy_demo(tmp_path) -> Path:
-    target = tmp_path / "demo"
-    shutil.copytree(DEMO_DATA, target, ignore=shutil.ignore_patterns("models"))
-    return target
 
 
 @pytest.fixture

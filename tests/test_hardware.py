@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,28 +72,20 @@ def test_backend_flags_on_ampere_only():
             setattr(owner, name, value)
 
 
-@pytest.fixture
-def unset_kernel_caches(monkeypatch):
-    """The cache variables absent, and restored to what they were after the test."""
-    for name in hardware.CPU_KERNEL_CACHES:
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
-def test_a_cpu_worker_bounds_the_kernel_caches(unset_kernel_caches):
+def test_a_cpu_worker_bounds_the_kernel_caches():
     hardware.configure_backends(CPU_AVX2)
     for name, value in hardware.CPU_KERNEL_CACHES.items():
         assert os.environ[name] == value
 
 
-def test_a_users_own_kernel_cache_settings_win(unset_kernel_caches, monkeypatch):
+def test_a_users_own_kernel_cache_settings_win(monkeypatch):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "4096")
     hardware.configure_backends(CPU_AVX512_BF16)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "4096"
     assert os.environ["LRU_CACHE_CAPACITY"] == hardware.CPU_KERNEL_CACHES["LRU_CACHE_CAPACITY"]
 
 
-def test_a_gpu_worker_sets_no_cpu_variable(unset_kernel_caches):
+def test_a_gpu_worker_sets_no_cpu_variable():
     import torch
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark
@@ -99,3 +94,41 @@ def test_a_gpu_worker_sets_no_cpu_variable(unset_kernel_caches):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark = saved
     assert not set(hardware.CPU_KERNEL_CACHES) & set(os.environ)
+
+
+KERNEL_CACHE_GROWTH = """
+import ctypes, gc, json, os, sys
+import psutil, torch
+from hpo import hardware
+
+if sys.argv[1] == "bounded":
+    hardware.configure_backends(hardware.detect("cpu"))
+else:  # the capacities oneDNN and ideep have when nobody sets them
+    os.environ.update(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+trim = ctypes.CDLL("libc.so.6").malloc_trim
+torch.manual_seed(0)
+conv = torch.nn.Conv1d(32, 32, 3)
+rss = []
+for trial in range(5):
+    for length in range(8 + 200 * trial, 8 + 200 * (trial + 1)):  # new shapes every trial
+        conv(torch.randn(2, 32, length, requires_grad=True)).sum().backward()
+    gc.collect()
+    trim(0)
+    rss.append(psutil.Process().memory_info().rss / 2**20)
+print(json.dumps(rss))
+"""
+
+
+def kernel_cache_growth(arm: str) -> float:
+    """Resident memory a process gains over four trials of new convolution shapes (oneDNN
+    compiles and caches kernels for convolutions on every x86 CPU), after its first."""
+    result = subprocess.run([sys.executable, "-c", KERNEL_CACHE_GROWTH, arm],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rss = json.loads(result.stdout.strip().splitlines()[-1])
+    return rss[-1] - rss[0]
+
+
+def test_bounded_kernel_caches_keep_a_cpu_workers_memory_flat():
+    bounded, unbounded = kernel_cache_growth("bounded"), kernel_cache_growth("unbounded")
+    assert bounded < 5 < unbounded, (bounded, unbounded)

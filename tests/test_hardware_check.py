@@ -1,7 +1,9 @@
+import os
+
 import pytest
 from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
 
-from hpo import hardware_check
+from hpo import hardware, hardware_check
 from hpo.cli import main
 
 
@@ -37,3 +39,11 @@ def test_real_cpu_run(capsys):
     for line in ("fp32:", "bf16:", "fp16:", "ms/step", "x fp32", "fp_precision: auto searches"):
         assert line in out
     assert "fp16: emulated" in out or "fp16: native" in out
+    # The worker's bounds, unless the environment set its own before (a user's value wins).
+    expected = {k: os.environ.get(k, v) for k, v in hardware.CPU_KERNEL_CACHES.items()}
+    assert "compiled-kernel caches: " + ", ".join(f"{k}={v}" for k, v in expected.items()) in out
+
+
+def test_a_gpu_has_no_cpu_kernel_caches_to_report():
+    assert "compiled-kernel caches" not in hardware_check.render(
+        hardware_check.inspect(A100, measured=False))

@@ -303,7 +303,6 @@ def command_hardware(args: argparse.Namespace) -> int:
     from hpo import hardware, hardware_check
 
     device = hardware.detect(args.device)
-    hardware.configure_backends(device)  # measured as a worker would run
     print(hardware_check.render(hardware_check.inspect(device, steps=args.steps)))
     return EXIT_OK
 

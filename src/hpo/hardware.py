@@ -78,11 +78,6 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return _DTYPES[precision]
 
 
-def supports_fused_adamw(device: Device) -> bool:
-    # Fused AdamW has CUDA kernels and, since torch 2.4 (the oldest hpo installs), CPU ones.
-    return device.type in ("cuda", "cpu")
-
-
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     try:
         text = cpuinfo.read_text()
@@ -126,10 +121,11 @@ def detect(requested: str = "auto") -> Device:
 
 # On a CPU, oneDNN compiles a kernel for every new (operation, precision, shape) and keeps it:
 # up to 1,024 in its process-wide cache and 1,024 more per thread in ideep's, torch's layer over
-# it, so a worker grew by up to 50 MiB with each trial that brought a new batch size or
-# precision. Both caches are bounded through their documented variables, read at a thread's
-# first oneDNN call; 256 kernels hold every shape of a trial (all of its batch widths).
-CPU_KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "1"}
+# it, so a worker grew with each trial that brought new batch shapes or a new precision. Both
+# are bounded through their documented variables, read once per process at its first oneDNN
+# call. ideep's entries wrap oneDNN's, so keeping one costs a lookup, not a compilation; 64
+# kept the demo study's trials as fast as 1,024 did (benchmarks/README.md).
+CPU_KERNEL_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "1"}
 
 
 def configure_backends(device: Device) -> None:

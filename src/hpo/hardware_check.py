@@ -3,14 +3,15 @@ and which precisions `fp_precision: auto` will search here, with the reason."""
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from hpo.config import PRECISIONS
-from hpo.hardware import Device, native_precisions
+from hpo.hardware import CPU_KERNEL_CACHES, Device, native_precisions
 
 NATIVE, EMULATED, UNSUPPORTED = "native", "emulated", "unsupported"
 
@@ -30,6 +31,7 @@ class Report:
     measurements: tuple[Measurement, ...]
     searched: tuple[str, ...]
     reasons: dict[str, str]
+    kernel_caches: dict[str, str] = field(default_factory=dict)  # CPU only: variable -> value
 
 
 def support(device: Device) -> dict[str, str]:
@@ -118,6 +120,14 @@ def _memory(device: Device, reset: bool = False) -> float:
     return float(psutil.Process().memory_info().rss)
 
 
+def kernel_caches(device: Device) -> dict[str, str]:
+    """The capacities of the compiled-kernel caches a worker on this CPU uses: the user's
+    own setting of each variable, else hpo's."""
+    if device.type != "cpu":
+        return {}
+    return {name: os.environ.get(name, value) for name, value in CPU_KERNEL_CACHES.items()}
+
+
 def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
     return Report(
         device=device,
@@ -125,6 +135,7 @@ def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
         measurements=measure(device, steps) if measured else (),
         searched=native_precisions(device),
         reasons=reasons(device),
+        kernel_caches=kernel_caches(device),
     )
 
 
@@ -142,6 +153,9 @@ def render(report: Report) -> str:
             label = "fp32" if m.precision == "none" else m.precision
             lines.append(f"  {label:>4}: {1000 * m.step_seconds:8.1f} ms/step  "
                          f"{m.speedup:5.2f}x fp32  {m.peak_memory_mb:7.1f} MiB")
+    if report.kernel_caches:
+        lines.append("compiled-kernel caches: " + ", ".join(
+            f"{name}={value}" for name, value in report.kernel_caches.items()))
     searched = ", ".join(report.searched)
     lines.append(f"fp_precision: auto searches {searched} on this device:")
     for precision in PRECISIONS:

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -33,6 +34,11 @@ POLL_SECONDS = 2.0
 
 class WorkerStopped(RuntimeError):
     """The worker gave up: too many trials in a row failed."""
+
+
+class LoopReporter(Protocol):
+    def message(self, text: str) -> None: ...
+    def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None: ...
 
 
 def work(
@@ -134,7 +140,7 @@ class WorkerResult:
 TrialRunner = Callable[[optuna.Study, optuna.Trial], tuple[Outcome, FrozenTrial]]
 
 
-def in_process(resources: Resources, reporter) -> TrialRunner:
+def in_process(resources: Resources, reporter: ConsoleReporter) -> TrialRunner:
     return lambda study, trial: execute(study, trial, resources, reporter)
 
 
@@ -149,7 +155,7 @@ def run_worker(
     study: optuna.Study,
     storage: ResilientRDBStorage,
     run_trial: TrialRunner,
-    reporter,
+    reporter: LoopReporter,
     *,
     n_trials: float,
     timeout: float | None = None,
