@@ -1,17 +1,22 @@
 """Shared fixtures: a tiny BERT built from the demo corpus, a small ReDSM5-format data set,
-a tiny study file, and mocked device capabilities."""
+a tiny study file, mocked device capabilities, the outside services some tests need (skipped
+with the reason when absent, failed instead under HPO_TESTS_REQUIRE_SERVICES=1 as in CI), and
+a guard that no test leaves a process running."""
 
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import optuna
+import psutil
 import pytest
 import yaml
 
@@ -27,6 +32,63 @@ CPU_AVX2 = Device("cpu", "x86 AVX2", 8 * 2**30, cpu_flags=frozenset({"avx", "avx
 CPU_AVX512_BF16 = Device(
     "cpu", "x86 AVX512-BF16", 8 * 2**30, cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"})
 )
+
+
+def require(available: bool, missing: str) -> None:
+    """Skip a test whose outside service is missing, saying what to install or start; where
+    HPO_TESTS_REQUIRE_SERVICES=1 (CI), fail instead, so nothing is skipped unnoticed."""
+    if available:
+        return
+    if os.environ.get("HPO_TESTS_REQUIRE_SERVICES") == "1":
+        pytest.fail(f"{missing} (HPO_TESTS_REQUIRE_SERVICES=1)")
+    pytest.skip(missing)
+
+
+@functools.cache
+def _postgres_up() -> bool:
+    from postgres import server_available
+
+    return server_available()
+
+
+def require_postgres() -> None:
+    require(_postgres_up(), "PostgreSQL is not reachable at 127.0.0.1:5432: start it, with "
+            "trust auth for local connections (README, Tests)")
+
+
+def require_command(name: str, package: str) -> str:
+    path = shutil.which(name)
+    require(path is not None, f"`{name}` is not installed: apt-get install -y {package}")
+    return path
+
+
+PROCESS_MARKER = "HPO_TESTS_PROCESS_MARKER"
+_RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process(monkeypatch):
+    """Every process a test starts inherits a marker in its environment; any still running
+    when the test ends (orphans whose parent died included) is killed and fails the test."""
+    marker = os.urandom(8).hex()
+    monkeypatch.setenv(PROCESS_MARKER, marker)
+    yield
+    marked = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            # multiprocessing's resource tracker serves this test process until it exits.
+            if (process.pid != os.getpid() and process.environ().get(PROCESS_MARKER) == marker
+                    and _RESOURCE_TRACKER not in " ".join(process.info["cmdline"] or ())):
+                marked.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    # A process on its way out (a browser's crash handler, say) gets a moment to finish.
+    _, leaked = psutil.wait_procs(marked, timeout=5)
+    for process in leaked:
+        process.kill()
+    psutil.wait_procs(leaked, timeout=10)
+    assert not leaked, "the test left processes running: " + "; ".join(
+        " ".join(process.info.get("cmdline") or [str(process.pid)])[:200] for process in leaked)
 
 
 def _load_script(name: str):
@@ -125,6 +187,7 @@ def pg_url() -> str:
     """A fresh database of its own on the shared PostgreSQL server, dropped afterwards."""
     from postgres import drop_database, fresh_database
 
+    require_postgres()
     url = fresh_database()
     yield url
     drop_database(url)
@@ -138,6 +201,7 @@ def any_storage(request, tmp_path) -> str:
         return
     from postgres import drop_database, fresh_database
 
+    require_postgres()
     url = fresh_database()
     yield url
     drop_database(url)

@@ -2,12 +2,15 @@
 public contract."""
 
 import re
+import subprocess
+import sys
 
 import optuna
 import pytest
+from conftest import REPO, require
 from optuna.trial import TrialState
 
-from hpo.cli import main
+from hpo.cli import COMMANDS, main
 
 PARAMS = {"model_name", "fp_precision", "target_effective_batch_size", "learning_rate"}
 ATTRS = {
@@ -54,10 +57,43 @@ def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
 
 def test_a_changed_space_is_refused(tiny_study, storage, capsys):
     assert run(tiny_study, storage, 1) == 0
+    capsys.readouterr()
     code = run(tiny_study, storage, 2, "--set", "search_space.learning_rate.low=0.0002")
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "different search space" in err and "\n" not in err
+    assert "hpo delete" in err and "another study.name" in err  # and the ways out
+
+
+def test_delete_asks_first_then_a_changed_space_can_start_over(tiny_study, storage, capsys,
+                                                              monkeypatch):
+    changed = ("--set", "search_space.learning_rate.low=0.0002")
+    assert main(["create", "--config", str(tiny_study), "--storage", storage]) == 0
+    assert main(["create", "--config", str(tiny_study), "--storage", storage, *changed]) == 2
+    delete = ["delete", "--config", str(tiny_study), "--storage", storage]
+    for answer in ("n", "", "no thanks"):
+        monkeypatch.setattr("builtins.input", lambda prompt, answer=answer: answer)
+        capsys.readouterr()
+        assert main(delete) == 1
+        assert "study 'tiny' with 0 trials" in capsys.readouterr().out
+        assert load(storage).study_name == "tiny"  # kept
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    assert main(delete) == 0
+    assert "deleted study 'tiny'" in capsys.readouterr().out
+    with pytest.raises(KeyError):
+        load(storage)
+    assert main(["create", "--config", str(tiny_study), "--storage", storage, *changed]) == 0
+
+
+def test_delete_yes_asks_nothing(tiny_study, storage, monkeypatch):
+    assert main(["create", "--config", str(tiny_study), "--storage", storage]) == 0
+
+    def no_prompt(prompt):
+        raise AssertionError("--yes must not prompt")
+
+    monkeypatch.setattr("builtins.input", no_prompt)
+    assert main(["delete", "--config", str(tiny_study), "--storage", storage, "--yes"]) == 0
+    assert optuna.get_all_study_names(storage) == []
 
 
 def test_nli_pairs_task_runs_and_scores_on_the_post_grid(tiny_study, storage):
@@ -75,3 +111,24 @@ def test_gradient_checkpointing_option(tiny_study, storage):
     (trial,) = load(storage).trials
     assert trial.state == TrialState.COMPLETE
     assert trial.user_attrs["training"]["gradient_checkpointing"] is True
+
+
+@pytest.mark.parametrize("args", [[], ["--help"]])
+def test_plain_hpo_and_help_describe_the_tool_and_every_command(args):
+    result = subprocess.run([sys.executable, "-m", "hpo.cli", *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+    out = result.stdout
+    assert out.startswith("usage: hpo")
+    assert "hyperparameters of a Hugging Face sequence classifier" in out
+    for command in COMMANDS:
+        assert re.search(rf"^    {command} +\S", out, flags=re.MULTILINE), command
+    assert "examples:" in out and "Exit codes" in out
+
+
+def test_generated_and_gated_files_are_ignored_by_git():
+    require((REPO / ".git").exists(), "not a git clone")
+    paths = ["hpo.db", "hpo.hpo-lock", "data/redsm5/redsm5_posts.csv"]
+    result = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout.split() == paths

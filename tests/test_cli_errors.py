@@ -64,13 +64,32 @@ def test_bad_n_trials(study_file, n):
 
 def test_missing_data(study_file, tmp_path):
     path = study_file(lambda d: d["data"].update(dir=str(tmp_path / "nowhere")))
-    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"), "nowhere")
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
+                    "nowhere: data directory not found", "put redsm5_posts.csv and "
+                    "redsm5_annotations.csv there", "set data.dir")
 
 
 def test_unloadable_model(study_file, tmp_path):
     path = study_file(lambda d: d["search_space"].update(model_name=["no-org/no-such-model"]))
     check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
                     "model 'no-org/no-such-model' cannot be loaded")
+
+
+def test_a_mistyped_local_model_path_is_not_found_at_once(study_file, tiny_model):
+    typo = f"{tiny_model}t"
+    path = study_file(lambda d: d["search_space"].update(model_name=[typo]))
+    check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
+                    f"model '{typo}': directory {typo} not found")
+
+
+def test_an_unreachable_hub_says_what_to_do(study_file, tmp_path):
+    path = study_file(lambda d: d["search_space"].update(model_name=["no-org/no-such-model"]))
+    # Port 9 (discard) on the loopback refuses the connection, as a firewalled hub would.
+    result = hpo("run", "--config", str(path), "--n-trials", "1",
+                 env={"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9",
+                      "HF_HOME": str(tmp_path / "hf")})
+    check_bad_input(result, "model 'no-org/no-such-model' is not on this machine",
+                    "http://127.0.0.1:9 cannot be reached", "HF_HUB_OFFLINE=1", "HF_ENDPOINT")
 
 
 def test_unknown_set_key(study_file):
@@ -142,3 +161,12 @@ def test_mistakes_found_without_torch_are_reported_before_loading_it(study_file,
                             env={**os.environ, **env})
     assert result.returncode == (0 if case == "help" else 2), result.stderr
     assert result.stdout.strip().endswith("torch not loaded"), result.stdout
+
+
+@pytest.mark.parametrize("command", [["status", "--study", "demo"], ["best", "--study", "demo"],
+                                     ["studies"], ["dashboard"]])
+def test_reading_a_sqlite_file_that_does_not_exist_says_so(tmp_path, command):
+    missing = tmp_path / "typo.db"
+    result = hpo(*command, "--storage", f"sqlite:///{missing}")
+    check_bad_input(result, f"no storage at {missing}")
+    assert not missing.exists()  # not created empty as a side effect

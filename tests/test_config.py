@@ -1,3 +1,6 @@
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,61 @@ def test_bad_overrides(tmp_path, item, message):
 def test_override_with_wrong_type(tmp_path):
     with pytest.raises(ConfigError, match="training.epochs"):
         config.load(write(tmp_path, study_dict(["m"], tmp_path)), ["training.epochs=many"])
+
+
+def test_every_problem_of_a_file_is_reported_at_once_with_suggestions(tmp_path):
+    data = study_dict(["m"], tmp_path)
+    data["training"]["epoch"] = 2
+    data["study"] = {"pruner": {"nam": "median"}}
+    data["data"]["max_length"] = 4
+    del data["data"]["dir"]
+    with pytest.raises(ConfigError) as info:
+        config.load(write(tmp_path, data))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'study.yaml'}: ")
+    for problem in ("unknown key 'training.epoch' (did you mean 'epochs'?)",
+                    "unknown key 'study.pruner.nam' (did you mean 'name'?)",
+                    "data.max_length: Input should be greater than or equal to 8 (got 4)",
+                    "missing key 'data.dir'"):
+        assert problem in message
+
+
+def test_a_bad_override_value_is_blamed_on_the_override_not_the_file(tmp_path):
+    path = write(tmp_path, study_dict(["m"], tmp_path))
+    with pytest.raises(ConfigError) as info:
+        config.load(path, ["training.epochs=many"])
+    assert str(info.value).startswith("--set training.epochs=many: training.epochs: ")
+    assert str(path) not in str(info.value)
+    grace = config.Override("study.grace_period", "5", "HPO_GRACE_PERIOD")
+    with pytest.raises(ConfigError, match=r"^HPO_GRACE_PERIOD=5: study: grace_period \(5\) "
+                                          r"must exceed heartbeat_interval \(30\)"):
+        config.load(path, [grace])
+    with pytest.raises(ConfigError, match=r"^--set study.pruner.nme: unknown key "
+                                          r"'study.pruner.nme' \(did you mean 'name'\?\)$"):
+        config.load(path, ["study.pruner.nme=none"])
+
+
+def test_a_study_name_is_looked_up_here_first_then_among_the_shipped_ones(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert config.find_study("demo") == config.PACKAGED_STUDIES / "demo.yaml"
+    assert config.load(config.study_path("redsm5")).study.name == "redsm5"
+    mine = tmp_path / "configs" / "studies" / "demo.yaml"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("data: {}\n")
+    assert config.find_study("demo").resolve() == mine
+    with pytest.raises(ConfigError, match=(
+            rf"unknown study 'nosuch': no nosuch.yaml in {mine.parent} nor in hpo's own "
+            r"studies \(demo, redsm5\); --config FILE reads any study file")):
+        config.study_path("nosuch")
+
+
+def test_the_shipped_studies_are_installed_with_the_package(tmp_path):
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                            "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("hpo-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for study in (REPO / "configs" / "studies").glob("*.yaml"):
+        assert f"hpo/studies/{study.name}" in names

@@ -14,6 +14,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from conftest import require_command
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
@@ -39,8 +40,7 @@ def compose_command() -> list[str]:
         probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
         if probe.returncode == 0:
             return ["docker", "compose"]
-    pytest.fail("neither `docker-compose` nor `docker compose` is installed; "
-                "install Debian's package: apt-get install -y docker-compose")
+    return [require_command("docker-compose", "docker-compose")]
 
 
 def compose_env(**extra: str) -> dict[str, str]:

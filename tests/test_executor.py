@@ -112,3 +112,24 @@ def test_other_errors_fail_the_trial_with_the_error_recorded(tiny_study, storage
         assert trial.user_attrs["physical_batch_size"] >= 1  # planned before it failed
     assert "3 trials in a row failed; last error: ValueError: broken collate" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("rule", ["best", "last"])
+def test_a_trials_value_is_its_best_or_last_epoch_and_the_pruner_sees_the_same(
+    tiny_study, storage, rule
+):
+    assert run(tiny_study, storage, 3, "--set", "training.epochs=4", "--set",
+               "study.pruner.name=none", "--set", f"study.objective_epoch={rule}") == 0
+    for trial in trials(storage):
+        scores = trial.user_attrs["epoch_scores"]
+        assert len(scores) == 4
+        reported = [trial.intermediate_values[epoch] for epoch in range(1, 5)]
+        if rule == "best":
+            chosen = scores.index(max(scores))
+            assert reported == pytest.approx([max(scores[:i]) for i in range(1, 5)], abs=1e-4)
+        else:
+            chosen = 3
+            assert reported == pytest.approx(scores, abs=1e-4)
+        assert trial.user_attrs["value_epoch"] == chosen + 1
+        assert trial.value == pytest.approx(scores[chosen], abs=1e-4)
+        assert trial.user_attrs["macro_f1"] == pytest.approx(scores[chosen], abs=1e-4)

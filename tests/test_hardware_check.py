@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import pytest
@@ -5,6 +6,7 @@ from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
 
 from hpo import hardware, hardware_check
 from hpo.cli import main
+from hpo.hardware_check import Measurement
 
 
 @pytest.mark.parametrize(
@@ -47,3 +49,25 @@ def test_real_cpu_run(capsys):
 def test_a_gpu_has_no_cpu_kernel_caches_to_report():
     assert "compiled-kernel caches" not in hardware_check.render(
         hardware_check.inspect(A100, measured=False))
+
+
+def test_noisy_timings_are_warned_of_and_the_verdict_stays_with_the_capability():
+    quiet = hardware_check.inspect(CPU_AVX512_BF16, measured=False)
+    steps = (Measurement("none", 0.1, 1.0, 10.0, spread=0.05),
+             Measurement("bf16", 0.7, 0.14, 8.0, spread=0.6),
+             Measurement("fp16", 0.5, 0.2, 8.0, spread=0.1))
+    busy = dataclasses.replace(quiet, measurements=steps, load_average=3.0, cores=2)
+    assert hardware_check.noise_warnings(busy) == [
+        "the machine was busy (load average 3.0 on 2 cores): other work slowed these timings",
+        "bf16 step times varied by 60% between steps: noisy; measure again with more --steps "
+        "on an idle machine",
+    ]
+    text = hardware_check.render(busy)
+    # Measured at 0.14x fp32, bf16 is still native here, and searched.
+    assert "\n  bf16: native\n" in text and "yes bf16" in text
+    assert "\n  bf16:    700.0 ms/step   0.14x fp32" in text
+    assert "warning: the machine was busy" in text and "warning: bf16 step times" in text
+    idle = dataclasses.replace(busy, load_average=0.4, measurements=tuple(
+        dataclasses.replace(m, spread=0.1) for m in steps))
+    assert hardware_check.noise_warnings(idle) == []
+    assert "warning" not in hardware_check.render(idle)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hpo.metrics import all_positive_baseline, as_grid, f1_scores
+from hpo.metrics import all_positive_baseline, as_grid, chosen_epoch, f1_scores
 
 
 def test_f1_by_hand():
@@ -27,3 +27,10 @@ def test_pairs_fold_back_into_a_post_grid():
 def test_all_positive_baseline():
     gold = torch.tensor([[1, 0], [0, 0], [0, 0], [0, 1]]).bool()
     assert all_positive_baseline(gold, ("a", "b")).macro_f1 == pytest.approx(0.4)
+
+
+def test_the_chosen_epoch_is_the_last_or_the_earliest_best():
+    values = [0.41, 0.53, 0.53, 0.46]
+    assert chosen_epoch(values, "best") == 1
+    assert chosen_epoch(values, "last") == 3
+    assert chosen_epoch([0.2], "best") == 0

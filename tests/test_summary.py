@@ -1,10 +1,16 @@
 """What `hpo status`, `hpo best` and `hpo studies` show of a study."""
 
 import json
+import re
 
+import optuna
 import yaml
 
 from hpo.cli import main
+
+
+def best_trial_rate(storage: str) -> float:
+    return optuna.load_study(study_name="tiny", storage=storage).best_params["learning_rate"]
 
 
 def test_status_best_and_studies(tiny_study, tmp_path, capsys):
@@ -14,7 +20,10 @@ def test_status_best_and_studies(tiny_study, tmp_path, capsys):
     capsys.readouterr()
     assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
     out = capsys.readouterr().out
-    assert "COMPLETE 2" in out and "best trial" in out
+    assert out.startswith("study 'tiny': 2 COMPLETE, 0 PRUNED, 0 RUNNING, 0 WAITING, 0 FAIL\n")
+    assert re.search(r"^best: trial \d, macro_f1 0\.\d{4}$", out, flags=re.MULTILINE)
+    shown = re.search(r"^  learning_rate +(\S+)$", out, flags=re.MULTILINE).group(1)
+    assert shown == f"{best_trial_rate(storage):.4g}"  # 4 significant digits, not 17
     assert main(["best", "--config", str(tiny_study), "--storage", storage,
                  "--format", "json"]) == 0
     best = json.loads(capsys.readouterr().out)
@@ -42,3 +51,28 @@ def test_a_study_without_a_completed_trial_has_no_best(tiny_study, tmp_path, cap
     info = json.loads(capsys.readouterr().out)
     assert info["best"] is None and info["running"] == []
     assert info["counts"] == {"COMPLETE": 0, "PRUNED": 0, "RUNNING": 0, "WAITING": 0, "FAIL": 0}
+
+
+def test_status_shows_running_trials_as_a_table(tiny_study, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
+    for worker, rate in (("gpu-node-1:811", 0.000123456789), ("gpu-node-22:94", 3e-5)):
+        study.enqueue_trial({"learning_rate": rate, "model_name": "tiny-bert"})
+        trial = study.ask()
+        trial.suggest_float("learning_rate", 1e-5, 1e-3, log=True)
+        trial.suggest_categorical("model_name", ["tiny-bert"])
+        trial.set_user_attr("worker", worker)
+    assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "study 'tiny': 0 COMPLETE, 0 PRUNED, 2 RUNNING, 0 WAITING, 0 FAIL"
+    header, *rows = lines[1:]
+    assert header.split() == ["running", "worker", "for", "learning_rate", "model_name"]
+    assert [row.split()[:3] for row in rows] == [["trial", "0", "gpu-node-1:811"],
+                                                ["trial", "1", "gpu-node-22:94"]]
+    assert [row.split()[-2:] for row in rows] == [["0.0001235", "tiny-bert"],
+                                                 ["3e-05", "tiny-bert"]]
+    assert len({line.index("tiny-bert") for line in rows}) == 1  # the columns line up
+    assert main(["status", "--config", str(tiny_study), "--storage", storage,
+                 "--format", "json"]) == 0
+    running = json.loads(capsys.readouterr().out)["running"]
+    assert [t["params"]["learning_rate"] for t in running] == [0.000123456789, 3e-5]

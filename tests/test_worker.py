@@ -1,6 +1,7 @@
 """The worker loop: the study-wide total, the circuit breaker, and a dead worker's trial
 failed and retried by a live one. Real storages, real processes."""
 
+import functools
 import signal
 import time
 from collections import Counter
@@ -11,9 +12,12 @@ from conftest import start_worker, trial_states
 from optuna.trial import TrialState
 
 from hpo.cli import main
+from hpo.config import load
+from hpo.errors import Terminated
 from hpo.executor import Outcome
 from hpo.storage import open_storage
-from hpo.worker import WorkerStopped, run_worker
+from hpo.study import make_sampler
+from hpo.worker import WorkerStopped, below_baseline_warning, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -26,6 +30,9 @@ class Quiet:
         self.messages.append(text)
 
     def trial_finished(self, trial, outcome) -> None: ...
+
+    def interrupted(self, text: str) -> None:
+        self.messages.append(text)
 
 
 def ending_in(state: TrialState):
@@ -68,10 +75,117 @@ def test_a_timeout_stops_claiming(bare_study):
     assert result.ran == 0 and "timeout of 1e-09s reached" in reporter.messages
 
 
+@pytest.mark.parametrize(("stop", "why"), [(Terminated, "SIGTERM"),
+                                           (KeyboardInterrupt, "Ctrl-C")])
+def test_an_interrupted_trial_is_failed_with_the_reason_and_requeued_at_once(tmp_path, stop,
+                                                                             why):
+    storage = open_storage(f"sqlite:///{tmp_path / 'w.db'}", heartbeat_interval=30,
+                           grace_period=120)
+    study = optuna.create_study(study_name="w", storage=storage)
+
+    def interrupted(study, trial):
+        trial.suggest_float("x", 0.0, 1.0)
+        raise stop()
+
+    reporter = Quiet()
+    with pytest.raises(stop):
+        run_worker(study, storage, interrupted, reporter, n_trials=1)
+    (failed,) = study.get_trials(states=(TrialState.FAIL,))
+    assert failed.user_attrs["error"] == f"interrupted by {why}"
+    assert reporter.messages[-1] == (
+        f"trial 0 failed (interrupted by {why}) and re-queued for the next worker")
+    (waiting,) = study.get_trials(states=(TrialState.WAITING,))
+    assert waiting.params == failed.params and "error" not in waiting.user_attrs
+    # The next worker takes the re-queued trial first, with the same parameters.
+    run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), n_trials=1)
+    (done,) = study.get_trials(states=(TrialState.COMPLETE,))
+    assert done.params == failed.params and done.user_attrs["retry_of"] == 0
+
+
+def test_an_interrupted_trial_whose_retries_are_used_up_stays_failed(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path / 'w.db'}", heartbeat_interval=30,
+                           grace_period=120, max_retry=0)
+    study = optuna.create_study(study_name="w", storage=storage)
+
+    def interrupted(study, trial):
+        raise KeyboardInterrupt
+
+    reporter = Quiet()
+    with pytest.raises(KeyboardInterrupt):
+        run_worker(study, storage, interrupted, reporter, n_trials=1)
+    assert reporter.messages[-1] == (
+        "trial 0 failed (interrupted by Ctrl-C); its retries are used up")
+    assert [t.state for t in study.trials] == [TrialState.FAIL]
+
+
+def test_sigterm_stops_a_worker_at_once_and_frees_its_trial(tiny_study, tmp_path):
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    worker = start_worker(tiny_study, storage, 1, "--set", "training.epochs=1000")
+    try:
+        # Lines come as the worker prints them: wait for its trial to start training.
+        wait_for(lambda: "start:" in worker.stdout.readline() or worker.poll() is not None)
+        time.sleep(1)
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert worker.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "hpo: terminated (SIGTERM)"
+    assert "trial 0 failed (interrupted by SIGTERM) and re-queued for the next worker" in out
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    failed, waiting = study.trials
+    assert failed.state == TrialState.FAIL and waiting.state == TrialState.WAITING
+    assert failed.user_attrs["error"] == "interrupted by SIGTERM"
+    assert waiting.params == failed.params
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_path, sampler):
+    config = load(tiny_study, [f"study.sampler.name={sampler}", "study.sampler.seed=7"])
+
+    def search(path: str, budgets: tuple[int, ...]) -> list[float]:
+        storage = open_storage(f"sqlite:///{tmp_path / path}")
+        for n_trials in budgets:  # each budget is a worker process started anew
+            study = optuna.create_study(study_name="w", storage=storage, load_if_exists=True,
+                                        sampler=make_sampler(config))
+            run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(),
+                       n_trials=n_trials, sampler_for=functools.partial(make_sampler, config))
+        return [t.params["x"] for t in study.trials]
+
+    restarted = search("restarted.db", (3, 6))
+    assert len(set(restarted)) == 6  # trials 3-5 are not trials 0-2 again
+    # Still reproducible: the same values as one worker that never stopped.
+    assert search("uninterrupted.db", (6,)) == restarted
+
+
 def test_run_on_each_backend(tiny_study, any_storage):
     assert main(["run", "--config", str(tiny_study), "--storage", any_storage,
                  "--n-trials", "2"]) == 0
     assert trial_states(any_storage)[TrialState.COMPLETE] == 2
+
+
+def test_tiny_validation_data_and_a_best_below_the_baseline_are_warned_of(tiny_study, tmp_path,
+                                                                          capsys):
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "1"]) == 0
+    err = capsys.readouterr().err
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    assert "hpo: warning: the validation split has only 20 posts" in err  # 80 x 0.25
+    below = study.best_value < study.user_attrs["baseline"]["macro_f1"]
+    assert ("is below the trivial baseline" in err) == below
+
+
+def test_below_baseline_warning():
+    study = optuna.create_study(direction="maximize")
+    assert below_baseline_warning(study, "macro_f1", 0.2) is None  # nothing finished yet
+    study.add_trial(optuna.trial.create_trial(value=0.15))
+    assert below_baseline_warning(study, "macro_f1", 0.2).startswith(
+        "the best trial (macro_f1 0.1500) is below the trivial baseline (0.2000, ")
+    study.add_trial(optuna.trial.create_trial(value=0.25))
+    assert below_baseline_warning(study, "macro_f1", 0.2) is None
 
 
 def test_run_continues_and_stops_at_the_study_total(tiny_study, tmp_path, capsys):

@@ -1,7 +1,8 @@
 """The `hpo` command: parse arguments, call plain functions, map known errors to exit codes.
 
 Exit codes: 0 done; 2 bad input (usage, study file, data, models, storage at start), one line
-on stderr naming the culprit; 1 anything unexpected (`--debug` shows its traceback).
+on stderr naming the culprit; 1 anything unexpected (`--debug` shows its traceback); 130 after
+Ctrl-C and 143 after SIGTERM, each once the running trial was freed.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,7 @@ import yaml
 
 from hpo import config as config_module
 from hpo.config import StudyConfig
-from hpo.errors import BAD_INPUT, ConfigError
+from hpo.errors import BAD_INPUT, ConfigError, Terminated
 
 if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait for it
     from hpo.data.splits import Splits
@@ -27,6 +30,7 @@ if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait f
     from hpo.storage import ResilientRDBStorage
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
 class UsageError(ValueError):
@@ -66,8 +70,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+DESCRIPTION = """\
+hpo searches the hyperparameters of a Hugging Face sequence classifier with Optuna: every
+trial fine-tunes the model at the largest batch that fits, in a precision the device runs
+natively. A study is one YAML file; any number of workers (`hpo run`, one GPU each) share it
+through a storage: the embedded SQLite file hpo.db, or PostgreSQL for many machines."""
+
+EPILOG = """\
+examples:
+  hpo run --study demo --n-trials 20     run trials of configs/studies/demo.yaml
+  hpo status --study demo                what the study holds so far
+  hpo best --study demo                  the best trial's settings, to train it again
+  hpo dashboard                          optuna-dashboard on http://127.0.0.1:8080/dashboard
+
+`hpo COMMAND --help` tells more. Exit codes: 0 done, 1 unexpected error, 2 bad input."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hpo", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hpo", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -92,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     studies = commands.add_parser("studies", help="the studies in a storage")
     studies.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
     _format_option(studies, default="text")
+    delete = commands.add_parser("delete", help="delete a study and all its trials")
+    _study_options(delete, required=True, overrides=False)
+    delete.add_argument("--yes", action="store_true", help="delete without asking")
+
     dashboard = commands.add_parser("dashboard", help="optuna-dashboard on the storage")
     dashboard.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
     dashboard.add_argument("--host", default="127.0.0.1",
@@ -103,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     hardware.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     hardware.add_argument("--steps", type=_positive_int, default=3,
                           help="timed training steps per precision")
-    for command in (run, create, status, best, studies, dashboard, hardware):
+    for command in (run, create, status, best, studies, delete, dashboard, hardware):
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return parser
 
@@ -111,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _study_options(command: argparse.ArgumentParser, *, required: bool,
                    overrides: bool = True) -> None:
     where = command.add_mutually_exclusive_group(required=required)
-    where.add_argument("--study", help="read configs/studies/NAME.yaml")
+    where.add_argument("--study", help="read configs/studies/NAME.yaml (here, else hpo's own)")
     where.add_argument("--config", type=Path, help="read this study file")
     command.add_argument("--storage", help="storage URL (else HPO_STORAGE, the file, hpo.db)")
     if overrides:
@@ -125,8 +150,6 @@ def _format_option(command: argparse.ArgumentParser, *, default: str) -> None:
 
 def load_config(args: argparse.Namespace) -> StudyConfig:
     path = args.config or config_module.study_path(args.study)
-    if args.study and not path.is_file():
-        raise ConfigError(f"unknown study '{args.study}': {path} not found")
     overrides = config_module.environment_overrides() + getattr(args, "overrides", [])
     return config_module.load(path, overrides, name=args.study)
 
@@ -214,18 +237,23 @@ def _open_for_reading(args: argparse.Namespace):
 
     from_file = None
     path = getattr(args, "config", None) or (
-        config_module.study_path(args.study) if getattr(args, "study", None) else None)
+        config_module.find_study(args.study) if getattr(args, "study", None) else None)
     if path is not None and path.is_file():
         from_file = config_module.load(path, name=getattr(args, "study", None)).study.storage
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage.storage_url(args.storage, from_file)
+    missing = storage.missing_sqlite_file(url)
+    if missing is not None:
+        raise ConfigError(f"no storage at {missing}: nothing has run there yet (`hpo run` "
+                          f"creates it; --storage or HPO_STORAGE names another)")
     return storage.open_storage(url), url
 
 
-def _load_study(args: argparse.Namespace):
+def _load_study(args: argparse.Namespace, opened=None, url: str | None = None):
     import optuna
 
-    opened, url = _open_for_reading(args)
+    if opened is None:
+        opened, url = _open_for_reading(args)
     name = args.study or config_module.load(args.config).study.name
     try:
         return optuna.load_study(study_name=name, storage=opened)
@@ -241,6 +269,18 @@ def _dump(data, fmt: str) -> str:
     return yaml.safe_dump(data, sort_keys=False).rstrip()
 
 
+def _number(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
 def command_status(args: argparse.Namespace) -> int:
     from hpo import summary
 
@@ -248,14 +288,21 @@ def command_status(args: argparse.Namespace) -> int:
     if args.format != "text":
         print(_dump(info, args.format))
         return EXIT_OK
-    counts = " ".join(f"{state} {n}" for state, n in info["counts"].items())
-    print(f"study '{info['study']}': {counts}")
+    counts = ", ".join(f"{n} {state}" for state, n in info["counts"].items())
+    lines = [f"study '{info['study']}': {counts}"]
     best = info["best"]
     if best:
-        print(f"best trial {best['trial']}: value {best['value']:.4f} {best['params']}")
-    for trial in info["running"]:
-        print(f"running trial {trial['trial']} on {trial['worker']} for "
-              f"{trial['age_seconds']}s {trial['params']}")
+        lines.append(f"best: trial {best['trial']}, {best['objective']} {best['value']:.4f}")
+        lines += ["  " + line for line in _columns(
+            [[name, _number(value)] for name, value in best["params"].items()])]
+    if info["running"]:
+        names = sorted({name for trial in info["running"] for name in trial["params"]})
+        rows = [["running", "worker", "for", *names]]
+        rows += [[f"trial {t['trial']}", t["worker"], f"{t['age_seconds']} s",
+                  *(_number(t["params"].get(name, "-")) for name in names)]
+                 for t in info["running"]]
+        lines += _columns(rows)
+    print("\n".join(lines))
     return EXIT_OK
 
 
@@ -280,6 +327,28 @@ def command_studies(args: argparse.Namespace) -> int:
     for row in rows:
         best = f"{row['best_value']:.4f}" if row["best_value"] is not None else "-"
         print(f"{row['study']}\t{row['trials']} trials\tbest {best}\tstarted {row['started']}")
+    return EXIT_OK
+
+
+def command_delete(args: argparse.Namespace) -> int:
+    import optuna
+
+    from hpo.storage import redact
+
+    opened, url = _open_for_reading(args)
+    study = _load_study(args, opened, url)
+    name = study.study_name
+    what = f"study '{name}' with {len(study.get_trials(deepcopy=False))} trials in {redact(url)}"
+    if not args.yes:
+        try:
+            answer = input(f"delete {what}? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print(f"hpo: {what} kept")
+            return EXIT_UNEXPECTED
+    optuna.delete_study(study_name=name, storage=opened)
+    print(f"deleted {what}")
     return EXIT_OK
 
 
@@ -313,13 +382,32 @@ COMMANDS = {
     "status": command_status,
     "best": command_best,
     "studies": command_studies,
+    "delete": command_delete,
     "dashboard": command_dashboard,
     "hardware": command_hardware,
 }
 
 
+def _terminate(signum: int, frame) -> None:
+    raise Terminated("SIGTERM")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        build_parser().print_help()
+        return EXIT_OK
+    # SIGTERM unwinds like Ctrl-C, so a stopped worker frees its trial at once.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
+    try:
+        return _main(argv)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
@@ -332,9 +420,12 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"hpo: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Terminated:
+        print("hpo: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("hpo: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:
         if debug:
             traceback.print_exc()

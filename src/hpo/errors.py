@@ -1,7 +1,12 @@
-"""The errors that mean bad input. Each one's message is one line naming the culprit, and the
-CLI maps every one of them to exit code 2. Nothing heavy is imported here, so `hpo` reports a
-bad study file or option (and shows `--help`) without first loading torch and transformers.
+"""The errors that mean bad input, and the one that means "stop". Each bad-input message is
+one line naming the culprit, and the CLI maps every one of them to exit code 2. Nothing heavy
+is imported here, so `hpo` reports a bad study file or option (and shows `--help`) without
+first loading torch and transformers.
 """
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`docker stop`, Kubernetes evicting a pod): the worker stops as on Ctrl-C."""
 
 
 class ConfigError(ValueError):

@@ -169,8 +169,9 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
 def train_trial(
     trial: optuna.Trial, planned: TrialPlan, resources: Resources, reporter: Reporter
 ) -> float:
-    """Train the planned trial, reporting each epoch's score for pruning; returns the last
-    epoch's score."""
+    """Train the planned trial, reporting each epoch's value for pruning; returns its value:
+    the best or the last epoch's score (`study.objective_epoch`). The pruner sees the same
+    rule applied to the epochs so far, so it compares what the trial's value would be."""
     plan, device = planned.plan, resources.device
     model = resources.models.build(
         planned.params.model_name, planned.train_data.labels.shape[1], seed=planned.training.seed
@@ -178,6 +179,7 @@ def train_trial(
     model = prepare(model, plan, device)
     gold = resources.gold()
     objective = resources.config.study.objective
+    rule = resources.config.study.objective_epoch
     scores: list[metrics.Scores] = []
     progress: Progress | None = None
 
@@ -188,9 +190,13 @@ def train_trial(
         scores.append(metrics.f1_scores(grid, gold, resources.label_names))
         return scores[-1].get(objective)
 
+    def value() -> float:
+        values = [s.get(objective) for s in scores]
+        return values[metrics.chosen_epoch(values, rule)]
+
     def on_epoch(epoch: int, score: float) -> None:
         reporter.epoch(trial.number, epoch, plan.epochs, score)
-        trial.report(score, epoch)
+        trial.report(value(), epoch)
         # After the last epoch the compute is spent: the result is kept, not pruned.
         if epoch < plan.epochs and trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
@@ -206,12 +212,13 @@ def train_trial(
         train(model, planned.train_data, plan, device, pad_id=planned.pad_id,
               evaluate=evaluate, on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
     finally:
-        _record_progress(trial, progress, scores)
-    return scores[-1].get(objective)
+        _record_progress(trial, progress, scores, objective, rule)
+    return value()
 
 
 def _record_progress(
-    trial: optuna.Trial, progress: Progress | None, scores: list[metrics.Scores]
+    trial: optuna.Trial, progress: Progress | None, scores: list[metrics.Scores],
+    objective: str, rule: str,
 ) -> None:
     if progress is not None:
         trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
@@ -219,9 +226,14 @@ def _record_progress(
         trial.set_user_attr("train_seconds", round(progress.train_seconds, 3))
         trial.set_user_attr("epochs_completed", len(scores))
     if scores:
-        trial.set_user_attr("macro_f1", round(scores[-1].macro_f1, 4))
-        trial.set_user_attr("micro_f1", round(scores[-1].micro_f1, 4))
-        trial.set_user_attr("f1_per_symptom", scores[-1].per_label)
+        values = [s.get(objective) for s in scores]
+        chosen = metrics.chosen_epoch(values, rule)
+        # The scores of the epoch the value comes from, and every epoch's objective.
+        trial.set_user_attr("value_epoch", chosen + 1)
+        trial.set_user_attr("epoch_scores", [round(v, 4) for v in values])
+        trial.set_user_attr("macro_f1", round(scores[chosen].macro_f1, 4))
+        trial.set_user_attr("micro_f1", round(scores[chosen].micro_f1, 4))
+        trial.set_user_attr("f1_per_symptom", scores[chosen].per_label)
 
 
 def _find_batch(

@@ -4,6 +4,7 @@ and which precisions `fp_precision: auto` will search here, with the reason."""
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -16,12 +17,19 @@ from hpo.hardware import CPU_KERNEL_CACHES, Device, native_precisions
 NATIVE, EMULATED, UNSUPPORTED = "native", "emulated", "unsupported"
 
 
+# Timings are called noisy above this relative spread of one precision's step times, or
+# when the load average says that other work held more than half of the cores.
+NOISY_SPREAD = 0.25
+BUSY_LOAD_PER_CORE = 0.5
+
+
 @dataclass(frozen=True)
 class Measurement:
     precision: str
-    step_seconds: float
+    step_seconds: float  # median over the timed steps
     speedup: float  # fp32 step time / this step time
     peak_memory_mb: float
+    spread: float = 0.0  # (slowest - fastest) / median step time
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,8 @@ class Report:
     searched: tuple[str, ...]
     reasons: dict[str, str]
     kernel_caches: dict[str, str] = field(default_factory=dict)  # CPU only: variable -> value
+    load_average: float = 0.0  # 1-minute load average when the measurement began
+    cores: int = 1
 
 
 def support(device: Device) -> dict[str, str]:
@@ -70,7 +80,8 @@ def reasons(device: Device) -> dict[str, str]:
 def measure(device: Device, steps: int = 3, batch: int = 16, length: int = 64) -> tuple[
     Measurement, ...
 ]:
-    """Time `steps` training steps of a small BERT per precision, after one warm-up step."""
+    """Time `steps` training steps of a small BERT per precision, after one warm-up step;
+    each precision's step time is the median of its steps."""
     from transformers import BertConfig, BertForSequenceClassification
 
     from hpo.train import autocast, optimizer_step
@@ -84,14 +95,14 @@ def measure(device: Device, steps: int = 3, batch: int = 16, length: int = 64) -
     }
     inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
     labels = torch.zeros((batch, 9), device=device.torch_device)
-    results: dict[str, tuple[float, float]] = {}
+    results: dict[str, tuple[list[float], float]] = {}
     for precision in ("none", "bf16", "fp16"):
         model = BertForSequenceClassification(config).to(device.torch_device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         before = _memory(device, reset=True)
         peak = before
-        elapsed = 0.0
+        times: list[float] = []
         for step in range(steps + 1):
             started = time.perf_counter()
             with autocast(device, precision):
@@ -102,14 +113,17 @@ def measure(device: Device, steps: int = 3, batch: int = 16, length: int = 64) -
             if device.type == "cuda":
                 torch.cuda.synchronize(device.torch_device)
             if step:  # the first step pays for allocation and kernel selection
-                elapsed += time.perf_counter() - started
+                times.append(time.perf_counter() - started)
             peak = max(peak, _memory(device))
-        results[precision] = (elapsed / steps, (peak - before) / 2**20)
-    fp32 = results["none"][0]
-    return tuple(
-        Measurement(p, results[p][0], fp32 / results[p][0], results[p][1])
-        for p in ("none", "bf16", "fp16")
-    )
+        results[precision] = (times, (peak - before) / 2**20)
+    fp32 = statistics.median(results["none"][0])
+    measured = []
+    for precision in ("none", "bf16", "fp16"):
+        times, memory = results[precision]
+        median = statistics.median(times)
+        measured.append(Measurement(precision, median, fp32 / median, memory,
+                                    spread=(max(times) - min(times)) / median))
+    return tuple(measured)
 
 
 def _memory(device: Device, reset: bool = False) -> float:
@@ -128,7 +142,22 @@ def kernel_caches(device: Device) -> dict[str, str]:
     return {name: os.environ.get(name, value) for name, value in CPU_KERNEL_CACHES.items()}
 
 
+def noise_warnings(report: Report) -> list[str]:
+    """Why the timings may not show what the device can do: other work, or steps that vary."""
+    warnings = []
+    if report.load_average > BUSY_LOAD_PER_CORE * report.cores:
+        warnings.append(f"the machine was busy (load average {report.load_average:.1f} on "
+                        f"{report.cores} cores): other work slowed these timings")
+    for m in report.measurements:
+        if m.spread > NOISY_SPREAD:
+            label = "fp32" if m.precision == "none" else m.precision
+            warnings.append(f"{label} step times varied by {100 * m.spread:.0f}% between "
+                            f"steps: noisy; measure again with more --steps on an idle machine")
+    return warnings
+
+
 def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
+    load_average = os.getloadavg()[0]
     return Report(
         device=device,
         support=support(device),
@@ -136,6 +165,8 @@ def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
         searched=native_precisions(device),
         reasons=reasons(device),
         kernel_caches=kernel_caches(device),
+        load_average=load_average,
+        cores=os.cpu_count() or 1,
     )
 
 
@@ -144,15 +175,18 @@ def render(report: Report) -> str:
     lines = [f"device: {device.describe()}"]
     if device.type == "cpu":
         lines.append(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}")
+    lines.append("capability (what fp_precision: auto goes by):")
     for name in ("fp16", "bf16", "tf32"):
-        lines.append(f"{name}: {report.support[name]}")
+        lines.append(f"  {name}: {report.support[name]}")
     if report.measurements:
         memory = "peak memory" if device.type == "cuda" else "resident memory growth"
-        lines.append(f"training step of a small BERT (batch 16 x 64 tokens), {memory}:")
+        lines.append(f"measured, separately: a training step of a small BERT (batch 16 x 64 "
+                     f"tokens), median step time, {memory}:")
         for m in report.measurements:
             label = "fp32" if m.precision == "none" else m.precision
             lines.append(f"  {label:>4}: {1000 * m.step_seconds:8.1f} ms/step  "
                          f"{m.speedup:5.2f}x fp32  {m.peak_memory_mb:7.1f} MiB")
+        lines += [f"warning: {text}" for text in noise_warnings(report)]
     if report.kernel_caches:
         lines.append("compiled-kernel caches: " + ", ".join(
             f"{name}={value}" for name, value in report.kernel_caches.items()))

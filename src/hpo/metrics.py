@@ -21,6 +21,14 @@ class Scores:
         return {"macro_f1": self.macro_f1, "micro_f1": self.micro_f1}[objective]
 
 
+def chosen_epoch(values: list[float], rule: str) -> int:
+    """The index of the epoch whose score is the trial's value under `study.objective_epoch`:
+    the last one, or the best one (the earliest of equal bests)."""
+    if rule == "last":
+        return len(values) - 1
+    return max(range(len(values)), key=values.__getitem__)
+
+
 def f1_scores(predicted: torch.Tensor, gold: torch.Tensor, names: tuple[str, ...]) -> Scores:
     """F1 per column of two boolean grids; a label with no positives predicted or present
     scores 0, as scikit-learn's zero_division=0 does."""

@@ -7,12 +7,16 @@ trials build a fresh model from them instead of reading the files again.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import logging
 import os
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
 import transformers
 from transformers import (
@@ -49,10 +53,52 @@ def resolve(name: str) -> str:
     return name
 
 
+def looks_local(name: str) -> bool:
+    """A path rather than a hub id ("org/name"): absolute or explicitly relative, deeper than
+    one slash, or starting with a directory that exists here."""
+    parts = Path(name).parts
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1
+            or (len(parts) > 1 and Path(parts[0]).is_dir()))
+
+
+@functools.cache
+def hub_reachable(endpoint: str, seconds: float = 3.0) -> bool:
+    """Whether the hub's host accepts a connection: without one, huggingface_hub retries
+    for about 25 s before it fails."""
+    url = urllib.parse.urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=seconds).close()
+    except OSError:
+        return False
+    return True
+
+
+def _check_source(name: str) -> None:
+    """Fail fast, saying what to do, for a model that is neither here nor reachable."""
+    if Path(name).is_dir() or resolve(name) != name:  # here, or in a package
+        return
+    if looks_local(name):
+        raise ModelError(f"model '{name}': directory {Path(name).expanduser().resolve()} "
+                         f"not found")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    if hub_reachable(endpoint):
+        return
+    cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    advice = ("it is in the Hugging Face cache: set HF_HUB_OFFLINE=1 to use it" if
+              isinstance(cached, str) else "give a local directory, copy a Hugging Face "
+              "cache that holds it and set HF_HUB_OFFLINE=1, or set HF_ENDPOINT to a mirror")
+    raise ModelError(f"model '{name}' is not on this machine and the model hub {endpoint} "
+                     f"cannot be reached; {advice}")
+
+
 def check_loadable(names: list[str], max_length: int) -> None:
     """Load every model's config and tokenizer once, before any trial spends compute, and
     check that each can read sequences of `max_length` tokens."""
     for name in names:
+        _check_source(name)
         source = resolve(name)
         try:
             AutoConfig.from_pretrained(source)

@@ -67,10 +67,20 @@ class ConsoleReporter:
     def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None:
         self.console.print(f"  trial {number} epoch {epoch}/{epochs}: score {score:.4f}")
 
-    def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None:
+    def _stop_progress(self) -> None:
+        # Stopping clears the bar and shows the cursor again: nothing is drawn after it.
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def interrupted(self, text: str) -> None:
+        self._stop_progress()
+        # An isolated trial's child draws its own bar and may be killed before it can.
+        self.console.show_cursor(True)
+        self.console.print(text)
+
+    def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None:
+        self._stop_progress()
         attrs = trial.user_attrs
         if outcome.state == TrialState.COMPLETE:
             result = f"value {outcome.value:.4f}"
@@ -89,6 +99,10 @@ class ConsoleReporter:
 
     def message(self, text: str) -> None:
         self.console.print(text)
+
+    def warning(self, text: str) -> None:
+        self._stop_progress()
+        print(f"hpo: warning: {text}", file=sys.stderr, flush=True)
 
     def best(self, study: optuna.Study) -> None:
         try:

@@ -75,7 +75,8 @@ def pin(study: optuna.Study, space: SearchSpace, device: Device) -> PinnedSpace:
         raise SpaceError(
             f"study '{study.study_name}' was created with a different search space "
             f"(search_space.{key}: pinned {json.dumps(pinned.declared.get(key))}, "
-            f"this file {json.dumps(mine.declared.get(key))})"
+            f"this file {json.dumps(mine.declared.get(key))}); to start over, delete it "
+            f"(hpo delete --study NAME or --config FILE) or give this file another study.name"
         )
     native = native_precisions(device)
     missing = [p for p in pinned.fp_precision if p not in native]

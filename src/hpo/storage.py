@@ -40,6 +40,19 @@ def storage_url(option: str | None, from_file: str | None) -> str:
     return DEFAULT_STORAGE
 
 
+def missing_sqlite_file(url: str) -> str | None:
+    """The path of a SQLite storage file that does not exist, else None: reading it would
+    create an empty database and report an empty storage instead of a mistyped path."""
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sa_exc.ArgumentError:
+        return None
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    return None if os.path.exists(database) else database
+
+
 def redact(url: str) -> str:
     try:
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)

@@ -3,6 +3,8 @@ and the batch-size limits its workers share."""
 
 from __future__ import annotations
 
+import hashlib
+
 import optuna
 
 from hpo import budget
@@ -13,12 +15,20 @@ from hpo.space import PinnedSpace, pin
 from hpo.storage import ResilientRDBStorage
 
 
-def make_sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
+def make_sampler(config: StudyConfig, trial_number: int | None = None
+                 ) -> optuna.samplers.BaseSampler:
+    """The study's sampler. With `sampler.seed`, the sampler for one trial is seeded from the
+    seed and the trial's number: a sampler seeded once per process would draw the same values
+    again in every worker and after every restart."""
     sampler = config.study.sampler
+    seed = sampler.seed
+    if seed is not None and trial_number is not None:
+        digest = hashlib.sha256(f"{seed}:{trial_number}".encode()).digest()
+        seed = int.from_bytes(digest[:4], "little")
     if sampler.name == "random":
-        return optuna.samplers.RandomSampler(seed=sampler.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(
-        seed=sampler.seed, n_startup_trials=sampler.n_startup_trials, multivariate=True
+        seed=seed, n_startup_trials=sampler.n_startup_trials, multivariate=True
     )
 
 

@@ -5,6 +5,7 @@ keeps each running trial's heartbeat and reaps trials whose worker went silent."
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -20,14 +21,18 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import budget, hardware, isolation
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
+from hpo.errors import Terminated, one_line
 from hpo.executor import Outcome, execute
 from hpo.hardware import Device
 from hpo.report import ConsoleReporter
 from hpo.resources import Resources, load_resources
 from hpo.storage import ResilientRDBStorage, redact
-from hpo.study import finished_count, join
+from hpo.study import finished_count, join, make_sampler
 
 BASELINE = "every symptom predicted for every post"
+# With fewer validation posts a symptom has a handful of positives, and one post more or less
+# right moves its F1 by tens of points: trials would be ranked by noise.
+MIN_VALIDATION_POSTS = 50
 # How often a worker that waits for the study's last trials looks again.
 POLL_SECONDS = 2.0
 
@@ -36,9 +41,31 @@ class WorkerStopped(RuntimeError):
     """The worker gave up: too many trials in a row failed."""
 
 
+def small_data_warning(splits: Splits) -> str | None:
+    n = len(splits.validation)
+    if n >= MIN_VALIDATION_POSTS:
+        return None
+    return (f"the validation split has only {n} posts: its scores rank trials mostly by noise "
+            f"(aim for {MIN_VALIDATION_POSTS} or more: more posts, or a larger "
+            f"data.validation_fraction)")
+
+
+def below_baseline_warning(study: optuna.Study, objective: str, baseline: float) -> str | None:
+    try:
+        best = study.best_trial
+    except ValueError:
+        return None
+    if best.value >= baseline:
+        return None
+    return (f"the best trial ({objective} {best.value:.4f}) is below the trivial baseline "
+            f"({baseline:.4f}, {BASELINE}): no model has learned the task yet; try more "
+            f"epochs, more trials or another learning-rate range")
+
+
 class LoopReporter(Protocol):
     def message(self, text: str) -> None: ...
     def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None: ...
+    def interrupted(self, text: str) -> None: ...
 
 
 def work(
@@ -66,6 +93,9 @@ def work(
         f"data {len(splits.train)} train / {len(splits.validation)} validation posts, "
         f"task {data.task}, max_length {data.max_length}"
     )
+    small = small_data_warning(splits)
+    if small:
+        reporter.warning(small)
     if finished >= n_trials:
         reporter.message(f"study '{config.study.name}' already has {finished} finished trials "
                          f"(asked for {n_trials}); nothing to do")
@@ -86,15 +116,20 @@ def work(
         isolation.in_child(config, pinned, device, url, storage)
         if config.training.isolate_trials else in_process(resources, reporter)
     )
+    seeded = config.study.sampler.seed is not None
     result = run_worker(
         study, storage, run_trial, reporter, n_trials=n_trials, timeout=timeout,
         max_consecutive_failures=config.study.max_consecutive_failures,
+        sampler_for=functools.partial(make_sampler, config) if seeded else None,
     )
     reporter.message(f"this worker ran {result.ran} trials; the study has "
                      f"{result.finished} finished")
     reporter.best(study)
     reporter.message(f"trivial baseline ({BASELINE}): {objective} {baseline:.4f} "
                      f"on the validation split")
+    below = below_baseline_warning(study, objective, baseline)
+    if below:
+        reporter.warning(below)
 
 
 @contextlib.contextmanager
@@ -151,6 +186,50 @@ def _ask(study: optuna.Study) -> optuna.Trial:
         return study.ask()
 
 
+def free(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
+         stop: KeyboardInterrupt) -> str:
+    """End an interrupted trial at once, as FAIL with the reason, and re-queue it as a
+    waiting trial for the next worker, as the reaper would a dead worker's (the same
+    `max_retry` bounds both), instead of leaving it RUNNING for a grace period."""
+    why = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+    number = trial.number
+    try:
+        # Read before the reason is set: the copy must not inherit it.
+        before = storage.get_trial(trial._trial_id)
+        if before.state.is_finished():
+            return f"trial {number} had finished ({before.state.name}) before the interrupt"
+        trial.set_user_attr("error", f"interrupted by {why}")
+        study.tell(trial, state=TrialState.FAIL)
+        retry = storage.get_heartbeat_stale_trial_callback()
+        if retry is not None:
+            retry(study, before)
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    except Exception as exc:
+        return (f"trial {number} could not be freed ({one_line(exc)}); another worker fails "
+                f"and re-queues it after the grace period")
+    if any(number in t.system_attrs.get("retry_history", ()) for t in waiting):
+        return f"trial {number} failed (interrupted by {why}) and re-queued for the next worker"
+    return f"trial {number} failed (interrupted by {why}); its retries are used up"
+
+
+def _run_claimed(
+    study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
+    run_trial: TrialRunner, waiting: int,
+    sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None,
+) -> tuple[Outcome, FrozenTrial]:
+    if sampler_for is not None:
+        # Optuna samples when a parameter is first suggested, after ask().
+        study.sampler = sampler_for(trial.number)
+    if waiting:
+        # Optuna's retry callback marks the re-queued copy of a stale trial; only a waiting
+        # trial can be one, and ask() takes waiting trials first.
+        retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
+        if retried is not None:
+            trial.set_user_attr("retry_of", retried)
+    with heartbeat(storage, trial._trial_id):
+        return run_trial(study, trial)
+
+
 def run_worker(
     study: optuna.Study,
     storage: ResilientRDBStorage,
@@ -161,12 +240,14 @@ def run_worker(
     timeout: float | None = None,
     max_consecutive_failures: int = 3,
     poll_seconds: float = POLL_SECONDS,
+    sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None = None,
 ) -> WorkerResult:
     """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials.
 
     While the last trials run on other workers this worker waits, reaping stale trials, and
     takes over a slot that frees up (a failed trial, a re-queued retry). `timeout` stops it
     from claiming new trials; `max_consecutive_failures` FAILed trials in a row stop it.
+    `sampler_for` gives the sampler that draws a claimed trial's parameters from its number.
     """
     started = time.monotonic()
     study_id = storage.get_study_id_from_name(study.study_name)
@@ -196,20 +277,13 @@ def run_worker(
             time.sleep(poll_seconds)
             continue
         waiting_said = False
-        if counts.waiting:
-            # Optuna's retry callback marks the re-queued copy of a stale trial; only a
-            # waiting trial can be one, and ask() takes waiting trials first.
-            retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
-            if retried is not None:
-                trial.set_user_attr("retry_of", retried)
-        with heartbeat(storage, trial._trial_id):
-            try:
-                outcome, finished = run_trial(study, trial)
-            except KeyboardInterrupt:
-                # Leave no trial RUNNING behind an interrupted worker.
-                with contextlib.suppress(Exception):
-                    study.tell(trial, state=TrialState.FAIL)
-                raise
+        try:
+            outcome, finished = _run_claimed(study, storage, trial, run_trial, counts.waiting,
+                                             sampler_for)
+        except KeyboardInterrupt as stop:
+            # From the claim on: a trial left RUNNING would hold a budget slot until reaped.
+            reporter.interrupted(free(study, storage, trial, stop))
+            raise
         ran += 1
         reporter.trial_finished(finished, outcome)
         failures = failures + 1 if outcome.state == TrialState.FAIL else 0

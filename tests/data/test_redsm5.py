@@ -14,7 +14,7 @@ from hpo.data.redsm5 import (
 )
 from hpo.errors import DataError
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "redsm5-sample"
+SAMPLE = Path(__file__).resolve().parent / "redsm5-sample"  # the public sample, README there
 ANNOTATIONS_HEADER = "post_id,sentence_id,sentence_text,DSM5_symptom,status,explanation\n"
 
 

@@ -50,12 +50,20 @@ def label_names(special_case: bool = False) -> tuple[str, ...]:
     return (*SYMPTOMS, SPECIAL_CASE) if special_case else SYMPTOMS
 
 
+GET_THE_DATA = (
+    f"put {POSTS_FILE} and {ANNOTATIONS_FILE} there (ReDSM5 is gated: ask for access at "
+    f"https://huggingface.co/datasets/irlab-udc/redsm5) or set data.dir to where they are"
+)
+
+
 def read_redsm5(directory: str | Path, *, special_case: bool = False) -> list[Post]:
     """Read the posts of a ReDSM5 directory, in file order, with their symptom sets."""
     directory = Path(directory)
     if not directory.is_dir():
-        problem = "not a directory" if directory.exists() else "data directory not found"
-        raise DataError(f"{directory}: {problem}")
+        if directory.exists():
+            raise DataError(f"{directory}: not a directory")
+        where = "" if directory.is_absolute() else f" (in {Path.cwd()})"
+        raise DataError(f"{directory}: data directory not found{where}; {GET_THE_DATA}")
     posts_path = directory / POSTS_FILE
     annotations_path = directory / ANNOTATIONS_FILE
 
@@ -132,7 +140,7 @@ def _read_text(path: Path) -> str:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
+        raise DataError(f"{path}: file not found; {GET_THE_DATA}") from None
     except OSError as exc:
         raise DataError(f"{path}: cannot read file ({exc.strerror})") from None
     try:
