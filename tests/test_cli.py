@@ -85,7 +85,7 @@ def test_delete_asks_first_then_a_changed_space_can_start_over(tiny_study, stora
     assert main(["create", "--config", str(tiny_study), "--storage", storage, *changed]) == 0
 
 
-def test_delete_yes_asks_nothing(tiny_study, storage, monkeypatch):
+def test_delete_yes_asks_nothing(tiny_study, storage, monkeypatch, capsys):
     assert main(["create", "--config", str(tiny_study), "--storage", storage]) == 0
 
     def no_prompt(prompt):
@@ -94,6 +94,9 @@ def test_delete_yes_asks_nothing(tiny_study, storage, monkeypatch):
     monkeypatch.setattr("builtins.input", no_prompt)
     assert main(["delete", "--config", str(tiny_study), "--storage", storage, "--yes"]) == 0
     assert optuna.get_all_study_names(storage) == []
+    capsys.readouterr()
+    assert main(["studies", "--storage", storage]) == 0
+    assert capsys.readouterr().out == f"no studies in {storage}\n"
 
 
 def test_nli_pairs_task_runs_and_scores_on_the_post_grid(tiny_study, storage):

@@ -319,11 +319,15 @@ def command_best(args: argparse.Namespace) -> int:
 def command_studies(args: argparse.Namespace) -> int:
     from hpo import summary
 
-    opened, _ = _open_for_reading(args)
+    opened, url = _open_for_reading(args)
     rows = summary.studies(opened)
     if args.format != "text":
         print(_dump(rows, args.format))
         return EXIT_OK
+    if not rows:
+        from hpo.storage import redact
+
+        print(f"no studies in {redact(url)}")
     for row in rows:
         best = f"{row['best_value']:.4f}" if row["best_value"] is not None else "-"
         print(f"{row['study']}\t{row['trials']} trials\tbest {best}\tstarted {row['started']}")
