@@ -170,3 +170,10 @@ def test_reading_a_sqlite_file_that_does_not_exist_says_so(tmp_path, command):
     result = hpo(*command, "--storage", f"sqlite:///{missing}")
     check_bad_input(result, f"no storage at {missing}")
     assert not missing.exists()  # not created empty as a side effect
+
+
+def test_a_password_with_at_signs_and_colons_never_shows(tmp_path):
+    result = hpo("studies", "--storage", "postgresql+psycopg2://u:p@ss:w@rd@127.0.0.1:1/x")
+    check_bad_input(result, "postgresql+psycopg2://u:***@127.0.0.1:1/x")
+    for part in ("p@ss", "ss:w", "w@rd"):
+        assert part not in result.stderr + result.stdout

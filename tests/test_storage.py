@@ -28,10 +28,29 @@ def test_storage_url_precedence(monkeypatch):
         "sqlite:///option.db")
 
 
-def test_redact_hides_the_password():
-    url = "postgresql+psycopg2://hpo:Sup3rS3cret@db:5432/hpo"
-    assert storage.redact(url) == "postgresql+psycopg2://hpo:***@db:5432/hpo"
-    assert storage.redact("::not a url::") == "<unparseable storage URL>"
+@pytest.mark.parametrize(("url", "shown"), [
+    ("postgresql+psycopg2://hpo:Sup3rS3cret@db:5432/hpo",
+     "postgresql+psycopg2://hpo:***@db:5432/hpo"),
+    # Unencoded "@" and ":" in the password: SQLAlchemy cannot parse these URLs at all.
+    ("postgresql+psycopg2://u:p@ss:w@rd@127.0.0.1:1/x", "postgresql+psycopg2://u:***@127.0.0.1:1/x"),
+    ("postgresql+psycopg2://u:pa:ss@db/x", "postgresql+psycopg2://u:***@db/x"),
+    ("postgresql://u:p%40ss@db/x?sslmode=require", "postgresql://u:***@db/x?sslmode=require"),
+    ("postgresql://u@db/x", "postgresql://u@db/x"),
+    ("sqlite:///hpo.db", "sqlite:///hpo.db"),
+    ("::not a url::", "::not a url::"),
+])
+def test_redact_hides_the_whole_password(url, shown):
+    assert storage.redact(url) == shown
+
+
+def test_a_url_with_unencoded_password_characters_is_bad_input_without_the_password():
+    url = "postgresql+psycopg2://u:p@ss:w@rd@127.0.0.1:1/x"
+    with pytest.raises(StorageError) as caught:
+        storage.open_storage(url, start_seconds=0)
+    message = str(caught.value)
+    assert message == ("storage URL postgresql+psycopg2://u:***@127.0.0.1:1/x is not a database "
+                       "URL; write a password's special characters percent-encoded (@ as %40, "
+                       ": as %3A)")
 
 
 def test_only_connection_errors_are_retried():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -45,7 +46,7 @@ def missing_sqlite_file(url: str) -> str | None:
     create an empty database and report an empty storage instead of a mistyped path."""
     try:
         parsed = sqlalchemy.engine.make_url(url)
-    except sa_exc.ArgumentError:
+    except (sa_exc.ArgumentError, ValueError):
         return None
     database = parsed.database
     if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
@@ -53,11 +54,22 @@ def missing_sqlite_file(url: str) -> str | None:
     return None if os.path.exists(database) else database
 
 
+# scheme://user:password@host...: the password runs to the last "@", so one that holds an
+# unencoded "@" or ":" (which SQLAlchemy cannot parse) is still hidden whole.
+_CREDENTIALS = re.compile(r"^(?P<head>[^:/?#]+://[^:@/?#]*):(?P<password>.*)@(?P<tail>[^@]*)$")
+
+
 def redact(url: str) -> str:
-    try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except sa_exc.ArgumentError:
-        return "<unparseable storage URL>"
+    """The URL with its password, if any, replaced by ***; never raises."""
+    match = _CREDENTIALS.match(url)
+    if match is None:
+        return url
+    return f"{match['head']}:***@{match['tail']}"
+
+
+def _password(url: str) -> str | None:
+    match = _CREDENTIALS.match(url)
+    return match["password"] if match else None
 
 
 def is_connection_error(exc: BaseException) -> bool:
@@ -148,8 +160,10 @@ def open_storage(
     safe = redact(url)
     try:
         parsed = sqlalchemy.engine.make_url(url)
-    except sa_exc.ArgumentError:
-        raise StorageError(f"storage URL {safe} is not a database URL") from None
+    except (sa_exc.ArgumentError, ValueError):
+        hint = ("; write a password's special characters percent-encoded (@ as %40, : as %3A)"
+                if _password(url) else "")
+        raise StorageError(f"storage URL {safe} is not a database URL{hint}") from None
     engine_kwargs: dict[str, Any] = {}
     backend = parsed.get_backend_name()
     if backend != "sqlite":
@@ -181,11 +195,15 @@ def open_storage(
                 waited = f" after {attempt} attempts" if attempt > 1 else ""
                 raise StorageError(
                     f"storage {safe} cannot be opened{waited}: "
-                    f"{_scrub(str(exc), parsed.password)}"
+                    f"{_scrub(str(exc), _password(url), parsed.password)}"
                 ) from None
         time.sleep(min(2.0, 0.2 * attempt) * random.uniform(0.5, 1.5))
 
 
-def _scrub(message: str, password: str | None) -> str:
+def _scrub(message: str, *passwords: str | None) -> str:
+    """The message's first line without the password, as written in the URL or decoded."""
     first = message.strip().splitlines()[0] if message.strip() else "unknown error"
-    return first.replace(password, "***") if password else first
+    for password in passwords:
+        if password:
+            first = first.replace(password, "***")
+    return first

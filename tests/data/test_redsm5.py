@@ -6,6 +6,7 @@ import pytest
 
 from hpo.data.redsm5 import (
     ANNOTATIONS_FILE,
+    MAX_FIELD_BYTES,
     POSTS_FILE,
     SPECIAL_CASE,
     SYMPTOMS,
@@ -81,7 +82,7 @@ def test_bom_crlf_and_quoted_newlines(tmp_path: Path) -> None:
     assert posts_read[1].symptoms == {"FATIGUE"}
 
 
-def test_reordered_and_extra_columns(tmp_path: Path) -> None:
+def test_reordered_and_extra_columns(tmp_path: Path, caplog) -> None:
     write(
         tmp_path,
         "subreddit,text,post_id\ndepression,Hello there.,p1\nanxiety,Bye.,p2\n",
@@ -92,6 +93,9 @@ def test_reordered_and_extra_columns(tmp_path: Path) -> None:
         ("p1", "Hello there.", {"SLEEP_ISSUES"}),
         ("p2", "Bye.", frozenset()),
     ]
+    # Columns hpo does not read are named, once per file; the official ones are expected.
+    assert "ignoring column(s) 'subreddit'" in caplog.text
+    assert "ignoring column(s) 'extra'" in caplog.text
 
 
 def test_headers_only_annotations_means_no_symptoms(tmp_path: Path) -> None:
@@ -215,10 +219,39 @@ def test_missing_file_names_the_path(tmp_path: Path, name: str) -> None:
     assert "not found" in str(info.value)
 
 
-def test_malformed_csv_is_a_data_error(tmp_path: Path) -> None:
-    # A field beyond the csv module's size limit makes csv raise its own csv.Error.
+def test_a_long_post_is_not_malformed_csv(tmp_path: Path) -> None:
+    # 200 KB: beyond the csv module's default field limit (128 KiB), far below hpo's.
     write(tmp_path, f"post_id,text\np1,{'x' * 200_000}\n", ANNOTATIONS_HEADER)
-    with pytest.raises(DataError, match=POSTS_FILE):
+    (post,) = read_redsm5(tmp_path)
+    assert len(post.text) == 200_000
+
+
+def test_a_field_beyond_any_post_is_a_data_error(tmp_path: Path) -> None:
+    write(tmp_path, f"post_id,text\np1,ok\np2,{'x' * (MAX_FIELD_BYTES + 1)}\n",
+          ANNOTATIONS_HEADER)
+    with pytest.raises(DataError, match=f"{POSTS_FILE}: row 3: a field is over 16 MiB"):
+        read_redsm5(tmp_path)
+
+
+@pytest.mark.parametrize("posts", [
+    # Never closed: without strict parsing rows 3 to 5 became one post's text.
+    'post_id,text\np1,fine\np2,"I never close\np3,lost\np4,lost too\n',
+    # Closed by the next quote, far below: the same, up to that quote.
+    'post_id,text\np1,fine\np2,"I never close\np3,lost\np4,"quoted" word\n',
+])
+def test_a_stray_opening_quote_is_rejected_with_its_row(tmp_path: Path, posts: str) -> None:
+    write(tmp_path, posts, ANNOTATIONS_HEADER)
+    with pytest.raises(DataError, match=rf"{POSTS_FILE}: row 3 \(line 3\): a quote opened "
+                                        r"there is not closed before line [45]"):
+        read_redsm5(tmp_path)
+
+
+def test_empty_text_and_a_column_named_twice_are_rejected(tmp_path: Path) -> None:
+    write(tmp_path, "post_id,text\np1,fine\np2,  \n", ANNOTATIONS_HEADER)
+    with pytest.raises(DataError, match="column 'text', row 3: empty text \\(post_id 'p2'\\)"):
+        read_redsm5(tmp_path)
+    write(tmp_path, "post_id,text,text\np1,a,b\n", ANNOTATIONS_HEADER)
+    with pytest.raises(DataError, match="column 'text' appears more than once in the header"):
         read_redsm5(tmp_path)
 
 

@@ -122,6 +122,34 @@ def test_an_unwritable_cache_costs_the_tokenization_not_the_result(tiny_model, t
     assert list(tmp_path.glob("**/*.tmp")) == []
 
 
+FULL_DISK = """
+import logging, resource, signal, sys
+from pathlib import Path
+from transformers import AutoTokenizer
+from hpo.data.tasks import Example
+from hpo.data.token_cache import cached_encode
+
+logging.basicConfig(level=logging.WARNING)
+# A file may grow to 64 bytes and no more: every write beyond fails (EFBIG) as on a full disk.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+examples = [Example(str(i), f"post number {i} about sleep", None, (1.0,)) for i in range(50)]
+encoded, hit = cached_encode(AutoTokenizer.from_pretrained(sys.argv[1]), examples, 32,
+                             Path(sys.argv[2]))
+print(len(encoded), hit)
+"""
+
+
+def test_a_full_disk_costs_the_tokenization_not_the_trial(tiny_model, tmp_path):
+    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(tiny_model),
+                             str(tmp_path / "tokens")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["50", "False"]
+    assert "is not writable, not caching" in result.stderr
+    assert list((tmp_path / "tokens").glob("*")) == []  # no partial entry left
+
+
 def test_cache_location_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("HPO_CACHE_DIR", str(tmp_path))
     assert default_dir() == tmp_path / "tokens"

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpo.errors import DataError
+
+log = logging.getLogger(__name__)
 
 SYMPTOMS: tuple[str, ...] = (
     "DEPRESSED_MOOD",
@@ -35,6 +38,8 @@ _POSTS_COLUMNS = ("post_id", "text")
 _ANNOTATIONS_COLUMNS = ("post_id", "DSM5_symptom", "status")
 _KNOWN_SYMPTOMS = frozenset((*SYMPTOMS, SPECIAL_CASE))
 _STATUSES = {"0": False, "1": True}
+# Columns of the official files that hpo does not read.
+_OPTIONAL_COLUMNS = frozenset({"sentence_id", "sentence_text", "explanation"})
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,9 @@ def read_redsm5(directory: str | Path, *, special_case: bool = False) -> list[Po
                 f"{posts_path}: column 'post_id', row {row_number}: duplicate post_id "
                 f"{_show(post_id)} (first seen in row {first_row[post_id]})"
             )
+        if not row["text"].strip():
+            raise DataError(f"{posts_path}: column 'text', row {row_number}: empty text "
+                            f"(post_id {_show(post_id)})")
         texts[post_id] = row["text"]
         first_row[post_id] = row_number
     if not texts:
@@ -108,30 +116,63 @@ def read_redsm5(directory: str | Path, *, special_case: bool = False) -> list[Po
     return [Post(post_id, text, frozenset(symptoms[post_id])) for post_id, text in texts.items()]
 
 
+# A post of 6,990 words (ReDSM5's longest) is about 40 KiB; csv's own limit is 128 KiB.
+MAX_FIELD_BYTES = 16 * 2**20
+
+
 def _rows(path: Path, required: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
-    """Yield (row number, {column: value}) for each non-blank data row, columns by header name."""
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    """Yield (row number, {column: value}) for each non-blank data row, columns by header name.
+
+    Parsed strictly: a quote opened in a row and never closed properly would otherwise swallow
+    every later row into one field, silently."""
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
     records = enumerate(reader, start=1)
+    previous_limit = csv.field_size_limit(MAX_FIELD_BYTES)
+    first_line = 1
+    row_number = 1
     try:
         _, header = next(records, (1, []))
         header = [name.strip() for name in header]
-        for column in required:
-            if column not in header:
-                found = ", ".join(header) if header else "no header"
-                raise DataError(f"{path}: missing required column '{column}' (found: {found})")
-        index = {column: header.index(column) for column in required}
+        index = _columns(path, header, required)
         for row_number, fields in records:
-            if not fields:
-                continue
-            for column, i in index.items():
-                if i >= len(fields):
-                    raise DataError(
-                        f"{path}: column '{column}', row {row_number}: missing value (the row "
-                        f"has {len(fields)} fields, the header {len(header)})"
-                    )
-            yield row_number, {column: fields[i] for column, i in index.items()}
+            if fields:
+                for column, i in index.items():
+                    if i >= len(fields):
+                        raise DataError(
+                            f"{path}: column '{column}', row {row_number}: missing value (the "
+                            f"row has {len(fields)} fields, the header {len(header)})"
+                        )
+                yield row_number, {column: fields[i] for column, i in index.items()}
+            first_line = reader.line_num + 1
     except csv.Error as exc:
+        if "field larger than field limit" in str(exc):
+            raise DataError(f"{path}: row {row_number + 1}: a field is over "
+                            f"{MAX_FIELD_BYTES // 2**20} MiB") from None
+        if reader.line_num > first_line:
+            raise DataError(
+                f"{path}: row {row_number + 1} (line {first_line}): a quote opened there is not "
+                f"closed before line {reader.line_num} ({exc}); check that row's quotes"
+            ) from None
         raise DataError(f"{path}: malformed CSV near line {reader.line_num}: {exc}") from None
+    finally:
+        csv.field_size_limit(previous_limit)
+
+
+def _columns(path: Path, header: list[str], required: tuple[str, ...]) -> dict[str, int]:
+    """Each required column's index; a column named twice is ambiguous, others are ignored."""
+    for column in required:
+        if column not in header:
+            found = ", ".join(header) if header else "no header"
+            raise DataError(f"{path}: missing required column '{column}' (found: {found})")
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"{path}: column {', '.join(map(repr, twice))} appears more than once "
+                        f"in the header")
+    extra = [name for name in header if name not in required]
+    if extra and not set(extra) <= _OPTIONAL_COLUMNS:
+        log.warning("%s: ignoring column(s) %s", path, ", ".join(
+            repr(name) for name in extra if name not in _OPTIONAL_COLUMNS))
+    return {column: header.index(column) for column in required}
 
 
 def _read_text(path: Path) -> str:

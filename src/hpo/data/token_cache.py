@@ -115,7 +115,9 @@ def _write(path: Path, encoded: Encoded) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, temporary)
         os.replace(temporary, path)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
+        # A full disk or a read-only volume: safetensors reports a failed write as its own
+        # error, not an OSError. A cache may cost time, never the trial.
         log.warning("token cache %s is not writable, not caching: %s", path.parent, exc)
         with contextlib.suppress(OSError):
             temporary.unlink()
