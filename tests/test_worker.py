@@ -17,7 +17,7 @@ from hpo.errors import Terminated
 from hpo.executor import Outcome
 from hpo.storage import open_storage
 from hpo.study import make_sampler
-from hpo.worker import WorkerStopped, below_baseline_warning, run_worker
+from hpo.worker import WorkerStopped, below_baseline_warning, reap, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -158,6 +158,27 @@ def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_pat
     assert len(set(restarted)) == 6  # trials 3-5 are not trials 0-2 again
     # Still reproducible: the same values as one worker that never stopped.
     assert search("uninterrupted.db", (6,)) == restarted
+
+
+# ask() without Study.optimize is how hpo's own loop claims trials too (worker._ask).
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_a_trial_that_never_beat_is_reaped_by_its_start_time(any_storage):
+    storage = open_storage(any_storage, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="w", storage=storage)
+    study_id = storage.get_study_id_from_name("w")
+    silent = study.ask()  # its worker was killed before its first heartbeat
+    silent.suggest_float("x", 0.0, 1.0)
+    beating = study.ask()
+    storage.record_heartbeat(beating._trial_id)
+    reap(study, storage, study_id)
+    assert [t.state for t in study.trials] == [TrialState.RUNNING] * 2  # within the grace
+    time.sleep(2.5)
+    storage.record_heartbeat(beating._trial_id)
+    for _ in range(2):  # a second reaping finds nothing more to do
+        reap(study, storage, study_id)
+        states = [t.state for t in study.trials]
+        assert states == [TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING]
+    assert study.trials[2].params == study.trials[0].params
 
 
 def test_run_on_each_backend(tiny_study, any_storage):

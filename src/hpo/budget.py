@@ -9,6 +9,7 @@ WAITING trials stay below the budget: a failed trial frees its slot, so another 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import threading
 import zlib
@@ -18,7 +19,11 @@ from pathlib import Path
 
 import optuna
 import sqlalchemy
-from optuna.storages._rdb.models import TrialModel
+
+# Optuna's RDB schema (private names, versioned by its migrations): counting and finding
+# trials in SQL keeps claiming and reaping cheap as a study grows. tests/test_budget.py fails
+# if these tables or columns change.
+from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
 from optuna.trial import TrialState
 
 from hpo.storage import OUTAGE_SECONDS, retrying
@@ -71,6 +76,18 @@ def count_in_database(connection: sqlalchemy.Connection, study_id: int) -> Count
         waiting=by_name.get("WAITING", 0),
         failed=by_name.get("FAIL", 0),
     )
+
+
+def unbeaten_trial_ids(connection: sqlalchemy.Connection, study_id: int,
+                       started_before: datetime.datetime) -> list[int]:
+    """RUNNING trials that started before `started_before` and never recorded a heartbeat."""
+    trials, beats = TrialModel.__table__, TrialHeartbeatModel.__table__
+    return list(connection.execute(
+        sqlalchemy.select(trials.c.trial_id)
+        .where(trials.c.study_id == study_id, trials.c.state == TrialState.RUNNING,
+               trials.c.datetime_start < started_before,
+               ~sqlalchemy.exists().where(beats.c.trial_id == trials.c.trial_id))
+    ).scalars())
 
 
 def may_claim(counts: Counts, budget: float) -> bool:

@@ -5,6 +5,7 @@ keeps each running trial's heartbeat and reaps trials whose worker went silent."
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import math
 import threading
@@ -158,12 +159,29 @@ def heartbeat(storage: ResilientRDBStorage, trial_id: int) -> Iterator[None]:
         thread.join()
 
 
-def reap(study: optuna.Study) -> None:
-    """Fail trials whose worker stopped beating; the retry callback re-queues them."""
+def reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
+    """Fail trials whose worker stopped beating, or never beat; the retry callback re-queues
+    them."""
     with warnings.catch_warnings():
         # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    if not storage.get_heartbeat_interval():
+        return
+    # A worker killed between claiming a trial and its first heartbeat (OOM killer, eviction)
+    # leaves a RUNNING trial that Optuna's reaper never sees: reap it by its start time.
+    started_before = datetime.datetime.now() - datetime.timedelta(seconds=storage.grace_period)
+    with storage.engine.connect() as connection:
+        unbeaten = budget.unbeaten_trial_ids(connection, study_id, started_before)
+    retry = storage.get_heartbeat_stale_trial_callback()
+    for trial_id in unbeaten:
+        try:
+            if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # it finished, or another worker reaped it first
+        if retry is not None:
+            retry(study, storage.get_trial(trial_id))
 
 
 @dataclass(frozen=True)
@@ -259,7 +277,7 @@ def run_worker(
         # Reaping reads every running trial's heartbeat: once per heartbeat interval is
         # enough, since nothing can turn stale faster than that.
         if time.monotonic() - last_reap >= reap_every:
-            reap(study)
+            reap(study, storage, study_id)
             last_reap = time.monotonic()
         with budget.study_lock(storage.engine, study.study_name) as connection:
             counts = budget.count_in_database(connection, study_id)
