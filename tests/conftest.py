@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -182,29 +183,31 @@ def tiny_study(tmp_path, tiny_model, tiny_model_b, small_data) -> Path:
     return path
 
 
-@pytest.fixture
-def pg_url() -> str:
-    """A fresh database of its own on the shared PostgreSQL server, dropped afterwards."""
-    from postgres import drop_database, fresh_database
+def _database_of_its_own() -> Iterator[str]:
+    """A fresh database on the shared PostgreSQL server, dropped afterwards; a connection the
+    test left open to it fails the test (the server's `max_connections` is shared by all)."""
+    from postgres import drop_database, fresh_database, open_connections
 
     require_postgres()
     url = fresh_database()
     yield url
+    left = open_connections(url)
     drop_database(url)
+    assert not left, f"the test left {len(left)} database connection(s) open: {left}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    yield from _database_of_its_own()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def any_storage(request, tmp_path) -> str:
+def any_storage(request, tmp_path) -> Iterator[str]:
     """Each storage backend in turn: the contract tests run against both."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'hpo.db'}"
         return
-    from postgres import drop_database, fresh_database
-
-    require_postgres()
-    url = fresh_database()
-    yield url
-    drop_database(url)
+    yield from _database_of_its_own()
 
 
 @pytest.fixture

@@ -3,12 +3,14 @@ and a private, disposable PostgreSQL instance for tests that take the database d
 
 from __future__ import annotations
 
+import gc
 import os
 import shlex
 import shutil
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -56,6 +58,28 @@ def fresh_database(prefix: str = "hpo_test") -> str:
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     _execute(f"{SERVER_URL}/postgres", f"CREATE DATABASE {_quote(name)}")
     return f"{SERVER_URL}/{name}"
+
+
+def open_connections(url: str, wait: float = 10.0) -> list[str]:
+    """Connections still open to the database at url, after a garbage collection (a storage
+    nobody references closes its pool then) and up to `wait` seconds for exiting processes."""
+    parsed = make_url(url)
+    admin = parsed.set(database="postgres").render_as_string(hide_password=False)
+    engine = create_engine(admin, poolclass=NullPool,
+                           connect_args={"connect_timeout": CONNECT_TIMEOUT})
+    query = text("select application_name, state, left(query, 80) from pg_stat_activity"
+                 " where datname = :name and pid <> pg_backend_pid()")
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            gc.collect()
+            with engine.connect() as connection:
+                rows = connection.execute(query, {"name": parsed.database}).all()
+            if not rows or time.monotonic() >= deadline:
+                return [" | ".join(str(v) for v in row) for row in rows]
+            time.sleep(0.5)
+    finally:
+        engine.dispose()
 
 
 def drop_database(url: str) -> None:

@@ -72,7 +72,8 @@ def test_missing_data(study_file, tmp_path):
 def test_unloadable_model(study_file, tmp_path):
     path = study_file(lambda d: d["search_space"].update(model_name=["no-org/no-such-model"]))
     check_bad_input(hpo("run", "--config", str(path), "--n-trials", "1"),
-                    "model 'no-org/no-such-model' cannot be loaded")
+                    "model 'no-org/no-such-model' is not on this machine and HF_HUB_OFFLINE "
+                    "is set", "give a local directory", "unset HF_HUB_OFFLINE")
 
 
 def test_a_mistyped_local_model_path_is_not_found_at_once(study_file, tiny_model):
@@ -90,6 +91,19 @@ def test_an_unreachable_hub_says_what_to_do(study_file, tmp_path):
                       "HF_HOME": str(tmp_path / "hf")})
     check_bad_input(result, "model 'no-org/no-such-model' is not on this machine",
                     "http://127.0.0.1:9 cannot be reached", "HF_HUB_OFFLINE=1", "HF_ENDPOINT")
+
+
+def test_an_offline_machine_fails_fast_on_a_hub_model(study_file, tmp_path):
+    path = study_file(lambda d: d["search_space"].update(model_name=["no-org/no-such-model"]))
+    started = time.monotonic()
+    # The hub's name does not resolve, as on a machine with no network; huggingface_hub
+    # alone would retry for about 25 s before it failed.
+    result = hpo("run", "--config", str(path), "--n-trials", "1",
+                 env={"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "https://hub.invalid",
+                      "HF_HOME": str(tmp_path / "hf")})
+    check_bad_input(result, "model 'no-org/no-such-model' is not on this machine",
+                    "https://hub.invalid cannot be reached")
+    assert time.monotonic() - started < 60  # a bound on hanging, not a speed goal
 
 
 def test_unknown_set_key(study_file):

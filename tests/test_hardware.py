@@ -55,21 +55,33 @@ def test_loader_settings_follow_the_device():
     assert gpu.pin_memory and gpu.persistent_workers and gpu.num_workers >= 1
 
 
-def test_backend_flags_on_ampere_only():
+@pytest.fixture
+def backend_flags():
+    """TF32 and cuDNN flags set off for the test and restored after it, through torch's
+    public setters (cudnn.flags restores on exit), not its flag objects' attributes."""
     import torch
 
-    flags = (torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "benchmark")
-    saved = [getattr(owner, name) for owner, name in flags]
-    try:
-        for owner, name in flags:
-            setattr(owner, name, False)
-        hardware.configure_backends(T4)
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
-        hardware.configure_backends(A100)
-        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
-    finally:
-        for (owner, name), value in zip(flags, saved, strict=True):
-            setattr(owner, name, value)
+    precision = torch.get_float32_matmul_precision()
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, benchmark=False,
+                                    allow_tf32=False):
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(precision)
+
+
+def test_backend_flags_on_ampere_only(backend_flags):
+    import torch
+
+    def flags():
+        return (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                torch.backends.cudnn.benchmark)
+
+    hardware.configure_backends(T4)
+    assert flags() == ("highest", False, False)
+    hardware.configure_backends(A100)
+    assert flags() == ("high", True, True)
 
 
 def test_a_cpu_worker_bounds_the_kernel_caches():
@@ -85,14 +97,8 @@ def test_a_users_own_kernel_cache_settings_win(monkeypatch):
     assert os.environ["LRU_CACHE_CAPACITY"] == hardware.CPU_KERNEL_CACHES["LRU_CACHE_CAPACITY"]
 
 
-def test_a_gpu_worker_sets_no_cpu_variable():
-    import torch
-
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark
-    try:
-        hardware.configure_backends(A100)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark = saved
+def test_a_gpu_worker_sets_no_cpu_variable(backend_flags):
+    hardware.configure_backends(A100)
     assert not set(hardware.CPU_KERNEL_CACHES) & set(os.environ)
 
 

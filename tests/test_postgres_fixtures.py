@@ -14,6 +14,7 @@ from postgres import (
     PrivateServer,
     drop_database,
     fresh_database,
+    open_connections,
     postgres_bin_dir,
     server_available,
 )
@@ -101,6 +102,21 @@ def test_fresh_database_create_connect_drop() -> None:
         drop_database(second)
 
 
+def test_a_connection_left_open_is_found_and_a_closed_one_is_not() -> None:
+    require_postgres()
+    url = fresh_database()
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        held = engine.connect()
+        held.execute(text("select 1"))
+        assert len(open_connections(url, wait=0)) == 1
+        held.close()
+        assert open_connections(url, wait=5) == []
+    finally:
+        engine.dispose()
+        drop_database(url)
+
+
 def test_private_server_outage_and_recovery(tmp_path: Path) -> None:
     require_postgres()  # to show that the private server's outage leaves the shared one up
     server = PrivateServer(tmp_path)
@@ -142,3 +158,16 @@ def test_private_server_not_started(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="not been started"):
         server.stop()
     server.destroy()  # never started: nothing to do
+
+
+def test_a_missing_service_skips_its_test_with_the_reason_or_fails_it_in_ci(monkeypatch):
+    from conftest import require
+
+    monkeypatch.delenv("HPO_TESTS_REQUIRE_SERVICES", raising=False)
+    require(True, "never said")
+    with pytest.raises(pytest.skip.Exception, match="chromium is not installed"):
+        require(False, "chromium is not installed")
+    monkeypatch.setenv("HPO_TESTS_REQUIRE_SERVICES", "1")
+    with pytest.raises(pytest.fail.Exception,
+                       match=r"chromium is not installed \(HPO_TESTS_REQUIRE_SERVICES=1\)"):
+        require(False, "chromium is not installed")

@@ -136,7 +136,7 @@ def configure_backends(device: Device) -> None:
         for name, value in CPU_KERNEL_CACHES.items():
             os.environ.setdefault(name, value)
     if device.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
 

@@ -81,12 +81,16 @@ def _check_source(name: str) -> None:
     if looks_local(name):
         raise ModelError(f"model '{name}': directory {Path(name).expanduser().resolve()} "
                          f"not found")
+    cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return
+        if isinstance(cached, str):
+            return
+        raise ModelError(f"model '{name}' is not on this machine and HF_HUB_OFFLINE is set: "
+                         f"give a local directory, copy a Hugging Face cache that holds it "
+                         f"(HF_HOME), or unset HF_HUB_OFFLINE to download it")
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     if hub_reachable(endpoint):
         return
-    cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
     advice = ("it is in the Hugging Face cache: set HF_HUB_OFFLINE=1 to use it" if
               isinstance(cached, str) else "give a local directory, copy a Hugging Face "
               "cache that holds it and set HF_HUB_OFFLINE=1, or set HF_ENDPOINT to a mirror")
