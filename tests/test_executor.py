@@ -133,3 +133,20 @@ def test_a_trials_value_is_its_best_or_last_epoch_and_the_pruner_sees_the_same(
         assert trial.user_attrs["value_epoch"] == chosen + 1
         assert trial.value == pytest.approx(scores[chosen], abs=1e-4)
         assert trial.user_attrs["macro_f1"] == pytest.approx(scores[chosen], abs=1e-4)
+
+
+def test_every_trial_releases_memory_after_it_ends(tiny_study, storage, monkeypatch):
+    import sys
+
+    from hpo import executor
+
+    callers = []
+    release = executor.memory.release_memory
+
+    def spy() -> None:
+        callers.append(sys._getframe(1).f_code.co_name)
+        release()
+
+    monkeypatch.setattr(executor.memory, "release_memory", spy)
+    assert run(tiny_study, storage, 2) == 0
+    assert callers.count("execute") == len(trials(storage)) == 2

@@ -172,3 +172,13 @@ def test_no_memory_probe_on_a_cpu():
     from conftest import CPU_AVX2
 
     assert memory.device_memory_probe(CPU_AVX2) is None
+
+
+def test_releasing_memory_collects_empties_the_gpu_cache_and_trims_the_heap(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory.gc, "collect", lambda: calls.append("gc"))
+    monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory.torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(memory, "_malloc_trim", lambda: lambda pad: calls.append(("trim", pad)))
+    memory.release_memory()
+    assert calls == ["gc", "empty_cache", ("trim", 0)]
