@@ -131,3 +131,50 @@ def test_workers_survive_a_database_outage(tiny_study, tmp_path):
                 p.kill()
                 p.wait()
         server.destroy()
+
+
+def test_every_storage_call_optuna_makes_is_retried_through_an_outage(tmp_path):
+    """Optuna's cache calls the backend's private methods (`_get_trials`,
+    `_create_new_trial`, `_set_trial_param`, `_get_best_trial_id`); each of the calls a
+    trial makes during an outage waits for the database instead of failing the trial."""
+    import threading
+
+    from postgres import PrivateServer
+
+    server = PrivateServer(tmp_path)
+    server.start()
+    opened = None
+    try:
+        opened = storage.open_storage(server.url)
+        study = optuna.create_study(study_name="s", storage=opened, direction="maximize",
+                                    pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
+        study.enqueue_trial({"x": 0.5})
+        for value in (0.1, 0.9):
+            study.tell(study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), value)
+        calls = {
+            "ask": study.ask,
+            "suggest": lambda: study.ask().suggest_float("x", 0.0, 1.0),
+            "report and should_prune": lambda: _report_and_prune(study.ask()),
+            "get_trials": study.get_trials,
+            "best_trial": lambda: study.best_trial,
+            "tell": lambda: study.tell(study.ask(), 0.3),
+        }
+        for what, call in calls.items():
+            server.stop()
+            restart = threading.Timer(2.0, server.start_again)
+            restart.start()
+            try:
+                call()
+            except Exception as exc:
+                pytest.fail(f"{what} failed during the outage: {exc!r}")
+            finally:
+                restart.join()
+    finally:
+        if opened is not None:
+            opened.engine.dispose()
+        server.destroy()
+
+
+def _report_and_prune(trial: optuna.Trial) -> bool:
+    trial.report(0.2, 1)
+    return trial.should_prune()

@@ -269,3 +269,30 @@ def test_killed_worker_trial_is_failed_and_retried_by_a_waiting_worker(tiny_stud
     assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 2
     assert counts[TrialState.RUNNING] == counts[TrialState.WAITING] == 0
     storage.engine.dispose()
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_reapers_take_turns_so_a_stale_trial_is_queued_once(any_storage):
+    import threading
+
+    from hpo import budget
+
+    storage = open_storage(any_storage, heartbeat_interval=1, grace_period=1)
+    study = optuna.create_study(study_name="w", storage=storage)
+    study_id = storage.get_study_id_from_name("w")
+    stale = study.ask()
+    stale.suggest_float("x", 0.0, 1.0)
+    storage.record_heartbeat(stale._trial_id)
+    time.sleep(2)
+    with budget.study_lock(storage.engine, "w"):  # a worker claiming a trial meanwhile
+        reapers = [threading.Thread(target=reap, args=(study, storage, study_id))
+                   for _ in range(2)]
+        for reaper in reapers:
+            reaper.start()
+        time.sleep(1)
+        assert storage.get_trial(stale._trial_id).state == TrialState.RUNNING
+    for reaper in reapers:
+        reaper.join()
+    states = Counter(t.state for t in study.get_trials())
+    assert states == {TrialState.FAIL: 1, TrialState.WAITING: 1}
+    storage.engine.dispose()

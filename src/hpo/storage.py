@@ -8,12 +8,14 @@ is written once the database is back rather than dropped. Passwords never leave 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import random
 import re
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import optuna
@@ -101,11 +103,28 @@ def retrying(call: Callable[[], T], *, seconds: float, what: str) -> T:
         delay = min(MAX_BACKOFF, delay * 2)
 
 
+_retrying_here = threading.local()
+
+
 def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The method, retried as a whole through an outage. Only the outermost storage call of a
+    thread retries: a public method calls private ones, and nested retries would multiply
+    the wait."""
+
     @functools.wraps(method)
     def wrapper(self: ResilientRDBStorage, *args: Any, **kwargs: Any) -> Any:
-        return retrying(lambda: method(self, *args, **kwargs), seconds=self.outage_seconds,
-                        what=method.__name__)
+        if getattr(_retrying_here, "active", False):
+            return method(self, *args, **kwargs)
+        _retrying_here.active, _retrying_here.attempts = True, 0
+
+        def attempt() -> Any:
+            _retrying_here.attempts += 1
+            return method(self, *args, **kwargs)
+
+        try:
+            return retrying(attempt, seconds=self.outage_seconds, what=method.__name__)
+        finally:
+            _retrying_here.active = False
 
     return wrapper
 
@@ -115,32 +134,37 @@ class ResilientRDBStorage(RDBStorage):
 
     outage_seconds = OUTAGE_SECONDS
 
+    @_resilient
     def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
-        attempts = 0
-
-        def attempt() -> bool:
-            nonlocal attempts
-            attempts += 1
-            try:
-                return RDBStorage.set_trial_state_values(self, trial_id, state, values)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                # The first attempt committed but its answer was lost with the connection.
-                if attempts > 1 and self.get_trial(trial_id).state == state:
-                    return True
-                raise
-
-        return retrying(attempt, seconds=self.outage_seconds, what="set_trial_state_values")
+        try:
+            return RDBStorage.set_trial_state_values(self, trial_id, state, values)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # An earlier attempt may have committed and lost its answer with the connection.
+            if _retrying_here.attempts > 1 and self.get_trial(trial_id).state == state:
+                return True
+            raise
 
 
-for _name in (
-    "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
-    "get_study_id_from_name", "get_study_name_from_id", "get_study_directions",
-    "get_study_user_attrs", "get_study_system_attrs", "get_all_studies", "create_new_trial",
-    "set_trial_param", "get_trial_id_from_study_id_trial_number",
-    "set_trial_intermediate_value", "set_trial_user_attr", "set_trial_system_attr",
-    "get_trial", "get_all_trials", "get_n_trials", "get_best_trial", "record_heartbeat",
-    "_get_stale_trial_ids", "check_trial_is_updatable", "get_trial_system_attrs",
-):
+# Not storage calls: construction, pickling, settings, and helpers that work inside a
+# session their caller opened (their caller is retried as a whole).
+_LOCAL = {"__init__", "__getstate__", "__setstate__", "remove_session", "get_failed_trial_callback",
+          "_build_frozen_trial_from_trial_model",
+          "get_heartbeat_interval", "get_heartbeat_stale_trial_callback"}
+
+
+def _storage_calls(cls: type) -> Iterator[str]:
+    """Every method of the RDB storage that talks to the database, public or private:
+    Optuna's `_CachedStorage` calls private ones (`_get_trials`, `_create_new_trial`,
+    `_set_trial_param`, `_get_best_trial_id`, ...), and a list of names would fall behind."""
+    for klass in reversed(cls.__mro__):
+        for name, attribute in vars(klass).items():
+            if (name in _LOCAL or not inspect.isfunction(attribute)
+                    or "session" in inspect.signature(attribute).parameters):
+                continue
+            yield name
+
+
+for _name in sorted(set(_storage_calls(RDBStorage)) - set(vars(ResilientRDBStorage))):
     setattr(ResilientRDBStorage, _name, _resilient(getattr(RDBStorage, _name)))
 
 

@@ -161,7 +161,14 @@ def heartbeat(storage: ResilientRDBStorage, trial_id: int) -> Iterator[None]:
 
 def reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
     """Fail trials whose worker stopped beating, or never beat; the retry callback re-queues
-    them."""
+    them. Under the study lock: two reapers that both saw a stale trial would otherwise each
+    queue a copy of it (SQLite has no row lock; a retried write cannot tell whose it was),
+    and a second waiting copy overshoots the budget."""
+    with budget.study_lock(storage.engine, study.study_name):
+        _reap(study, storage, study_id)
+
+
+def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
     with warnings.catch_warnings():
         # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
