@@ -6,6 +6,7 @@ import time
 
 import optuna
 import pytest
+import sqlalchemy
 from conftest import start_worker, trial_states
 from optuna.trial import TrialState
 
@@ -80,3 +81,24 @@ def test_eight_workers_end_exactly_on_budget(tiny_study, pg_url):
     counts = trial_states(pg_url)
     assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 40
     assert sum(counts.values()) == 40, counts
+
+
+def test_a_lock_whose_connection_died_is_known_lost_and_free_for_others(pg_url):
+    from postgres import _execute
+
+    engine = sqlalchemy.create_engine(pg_url)
+    try:
+        with budget.study_lock(engine, "s") as connection:
+            assert budget.lock_held(connection)
+            pid = connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar()
+            # A server restart, a failover or a reset ends the session that held the lock.
+            _execute(pg_url, f"select pg_terminate_backend({pid})")
+            assert not budget.lock_held(connection)
+            other = sqlalchemy.create_engine(pg_url)
+            try:
+                with budget.study_lock(other, "s") as again:  # not blocked by the dead one
+                    assert budget.lock_held(again)
+            finally:
+                other.dispose()
+    finally:
+        engine.dispose()

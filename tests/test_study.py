@@ -82,3 +82,25 @@ def test_a_lowered_batch_is_seen_by_the_next_worker(one_model_study, pg_url):
     assert second.user_attrs["batch_probes"] == 0
     assert second.user_attrs["physical_batch_size"] <= int(0.9 * lowered_to) or (
         second.user_attrs["physical_batch_size"] == 1)
+
+
+def test_heartbeat_settings_are_fixed_in_the_study_when_it_is_created(tiny_study, tmp_path):
+    from conftest import CPU_AVX2
+
+    from hpo.config import load
+    from hpo.storage import open_storage
+    from hpo.study import join
+
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    first = load(tiny_study, ["study.heartbeat_interval=2", "study.grace_period=8",
+                              "study.max_retry=1"])
+    later = load(tiny_study, [])  # the defaults: 30, 120, 2
+    for config in (first, later):
+        storage = open_storage(url, heartbeat_interval=config.study.heartbeat_interval,
+                               grace_period=config.study.grace_period,
+                               max_retry=config.study.max_retry)
+        study, _ = join(config, storage, CPU_AVX2)
+        assert (storage.get_heartbeat_interval(), storage.grace_period) == (2, 8)
+        assert storage.get_heartbeat_stale_trial_callback()._max_retry == 1
+    assert study.user_attrs["liveness"] == {"heartbeat_interval": 2, "grace_period": 8,
+                                            "max_retry": 1}

@@ -296,3 +296,25 @@ def test_reapers_take_turns_so_a_stale_trial_is_queued_once(any_storage):
     states = Counter(t.state for t in study.get_trials())
     assert states == {TrialState.FAIL: 1, TrialState.WAITING: 1}
     storage.engine.dispose()
+
+
+def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_overshoots(
+        bare_study, monkeypatch):
+    from hpo import budget
+
+    study, storage = bare_study
+
+    def lost(connection) -> bool:
+        # Meanwhile another worker, which got the lock, claimed and finished the last slot.
+        other = study.ask()
+        study.tell(other, 0.7)
+        return False
+
+    monkeypatch.setattr(budget, "lock_held", lost)
+    reporter = Quiet()
+    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), reporter, n_trials=1)
+    assert result.ran == 0
+    given_back, other = study.trials
+    assert (given_back.state, other.state) == (TrialState.FAIL, TrialState.COMPLETE)
+    assert "given back to keep the budget exact" in given_back.user_attrs["error"]
+    assert "trial 0 given back" in reporter.messages[0]

@@ -4,8 +4,10 @@ and the batch-size limits its workers share."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import optuna
+from optuna.storages import RetryHeartbeatStaleTrialCallback
 
 from hpo import budget
 from hpo.config import StudyConfig
@@ -57,7 +59,32 @@ def join(
             pruner=make_pruner(config),
             load_if_exists=True,
         )
+        pin_liveness(study, storage, config)
         return study, pin(study, config.search_space, device)
+
+
+LIVENESS = "liveness"
+
+
+def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
+                 config: StudyConfig) -> dict[str, int]:
+    """The heartbeat interval, grace period and retry count fixed in the study when it is
+    created, and used by this worker whatever its own settings: a worker with a shorter
+    grace period than another's heartbeat interval would reap that worker's live trials."""
+    section = config.study
+    pinned = study.user_attrs.get(LIVENESS)
+    if pinned is None:
+        pinned = {"heartbeat_interval": section.heartbeat_interval,
+                  "grace_period": section.grace_period, "max_retry": section.max_retry}
+        study.set_user_attr(LIVENESS, pinned)
+    storage.heartbeat_interval = pinned["heartbeat_interval"]
+    storage.grace_period = pinned["grace_period"]
+    with warnings.catch_warnings():
+        # Experimental in Optuna 5; its documented way to re-queue a dead worker's trial.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = RetryHeartbeatStaleTrialCallback(max_retry=pinned["max_retry"])
+    storage.heartbeat_stale_trial_callback = storage.failed_trial_callback = retry
+    return pinned
 
 
 def finished_count(study: optuna.Study) -> int:

@@ -84,6 +84,11 @@ def work(
     hardware.configure_backends(device)
     study, pinned = join(config, storage, device)
     reporter = ConsoleReporter()
+    own = (config.study.heartbeat_interval, config.study.grace_period)
+    if own != (storage.heartbeat_interval, storage.grace_period):
+        reporter.message(f"heartbeat every {storage.heartbeat_interval} s, grace period "
+                         f"{storage.grace_period} s: the study's, fixed when it was created "
+                         f"(this worker asked for {own[0]} s and {own[1]} s)")
     resources = load_resources(config, pinned, device, splits)
     data = config.data
     finished = finished_count(study)
@@ -255,6 +260,22 @@ def _run_claimed(
         return run_trial(study, trial)
 
 
+def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: int,
+                  trial: optuna.Trial, n_trials: float, reporter: LoopReporter) -> bool:
+    """After a claim made while the study lock was lost, another worker may have claimed
+    the same slot: recount under the lock and give the trial back if the budget overshoots."""
+    with budget.study_lock(storage.engine, study.study_name) as connection:
+        counts = budget.count_in_database(connection, study_id)
+        if counts.claimed <= n_trials:
+            return True
+        trial.set_user_attr("error", "claimed while the study lock was lost with its database "
+                                     "connection; given back to keep the budget exact")
+        study.tell(trial, state=TrialState.FAIL)
+    reporter.message(f"trial {trial.number} given back: the study lock was lost while it was "
+                     f"claimed and the budget would overshoot")
+    return False
+
+
 def run_worker(
     study: optuna.Study,
     storage: ResilientRDBStorage,
@@ -294,6 +315,9 @@ def run_worker(
                 reporter.message(f"timeout of {timeout:g}s reached")
                 break
             trial = _ask(study) if budget.may_claim(counts, n_trials) else None
+            lost = trial is not None and not budget.lock_held(connection)
+        if lost and not _claim_stands(study, storage, study_id, trial, n_trials, reporter):
+            continue
         if trial is None:
             if not waiting_said:
                 reporter.message(f"waiting for {counts.running} running trial(s) of other "
