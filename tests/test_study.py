@@ -104,3 +104,24 @@ def test_heartbeat_settings_are_fixed_in_the_study_when_it_is_created(tiny_study
         assert storage.get_heartbeat_stale_trial_callback()._max_retry == 1
     assert study.user_attrs["liveness"] == {"heartbeat_interval": 2, "grace_period": 8,
                                             "max_retry": 1}
+
+
+def test_the_shared_batch_cache_is_updated_under_the_study_lock(any_storage):
+    import threading
+    import time
+
+    from hpo import budget
+    from hpo.storage import open_storage
+    from hpo.study import shared_batch_cache
+
+    storage = open_storage(any_storage)
+    study = optuna.create_study(study_name="s", storage=storage)
+    cache = shared_batch_cache(study, storage)
+    with budget.study_lock(storage.engine, "s"):  # another worker merging its own finding
+        writer = threading.Thread(target=cache.update, args=("k", BatchLimit(8, 12)))
+        writer.start()
+        time.sleep(1)
+        assert cache.get("k") == BatchLimit()  # it waits for the lock
+    writer.join()
+    assert cache.get("k") == BatchLimit(8, 12)
+    storage.engine.dispose()

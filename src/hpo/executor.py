@@ -80,14 +80,15 @@ def cache_key(params: Params, max_length: int, device: Device) -> str:
 
 
 def execute(
-    study: optuna.Study, trial: optuna.Trial, resources: Resources, reporter: Reporter
+    study: optuna.Study, trial: optuna.Trial, resources: Resources, reporter: Reporter,
+    cache: StudyBatchCache,
 ) -> tuple[Outcome, FrozenTrial]:
-    """Run one trial to its end and tell the study how it ended."""
+    """Run one trial to its end and tell the study how it ended; `cache` is the study's
+    batch cache."""
     started = time.perf_counter()
     trial.set_user_attr("worker", worker_name())
     trial.set_user_attr("device", resources.device.describe())
     trial.set_user_attr("versions", library_versions())
-    cache = StudyBatchCache(study)
     planned: TrialPlan | None = None
     try:
         planned = plan_trial(trial, resources, cache)

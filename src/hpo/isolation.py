@@ -81,7 +81,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int) -> None:
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
     from hpo.storage import open_storage
-    from hpo.study import make_pruner
+    from hpo.study import make_pruner, shared_batch_cache
 
     models.quiet_transformers()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -92,4 +92,5 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int) -> None:
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
-    execute(study, optuna.trial.Trial(study, trial_id), resources, ConsoleReporter())
+    execute(study, optuna.trial.Trial(study, trial_id), resources, ConsoleReporter(),
+            shared_batch_cache(study, storage))

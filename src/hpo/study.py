@@ -3,8 +3,12 @@ and the batch-size limits its workers share."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import optuna
 from optuna.storages import RetryHeartbeatStaleTrialCallback
@@ -96,18 +100,29 @@ class StudyBatchCache:
 
     PREFIX = "batch_limit:"
 
-    def __init__(self, study: optuna.Study) -> None:
+    def __init__(self, study: optuna.Study,
+                 lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+                 ) -> None:
         self._study = study
+        self._lock = lock
 
     def get(self, key: str) -> BatchLimit:
         stored = self._study.user_attrs.get(self.PREFIX + key)
         return BatchLimit.from_json(stored) if stored else BatchLimit()
 
     def update(self, key: str, limit: BatchLimit) -> BatchLimit:
-        # Re-read just before writing: another worker may have learnt something meanwhile.
-        merged = self.get(key).merge(limit)
-        self._study.set_user_attr(self.PREFIX + key, merged.to_json())
+        # Read, merged and written under the study lock: another worker may be learning
+        # something about the same key at the same moment.
+        with self._lock():
+            merged = self.get(key).merge(limit)
+            self._study.set_user_attr(self.PREFIX + key, merged.to_json())
         return merged
 
     def lower(self, key: str, batch: int) -> BatchLimit:
         return self.update(key, BatchLimit().after_oom(batch))
+
+
+def shared_batch_cache(study: optuna.Study, storage: ResilientRDBStorage) -> StudyBatchCache:
+    """The study's batch cache, updated under the study lock all its workers share."""
+    return StudyBatchCache(
+        study, functools.partial(budget.study_lock, storage.engine, study.study_name))

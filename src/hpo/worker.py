@@ -28,7 +28,7 @@ from hpo.hardware import Device
 from hpo.report import ConsoleReporter
 from hpo.resources import Resources, load_resources
 from hpo.storage import ResilientRDBStorage, redact
-from hpo.study import finished_count, join, make_sampler
+from hpo.study import finished_count, join, make_sampler, shared_batch_cache
 
 BASELINE = "every symptom predicted for every post"
 # With fewer validation posts a symptom has a handful of positives, and one post more or less
@@ -120,7 +120,7 @@ def work(
     study.set_user_attr("objective", objective)
     run_trial = (
         isolation.in_child(config, pinned, device, url, storage)
-        if config.training.isolate_trials else in_process(resources, reporter)
+        if config.training.isolate_trials else in_process(resources, reporter, storage)
     )
     seeded = config.study.sampler.seed is not None
     result = run_worker(
@@ -205,8 +205,10 @@ class WorkerResult:
 TrialRunner = Callable[[optuna.Study, optuna.Trial], tuple[Outcome, FrozenTrial]]
 
 
-def in_process(resources: Resources, reporter: ConsoleReporter) -> TrialRunner:
-    return lambda study, trial: execute(study, trial, resources, reporter)
+def in_process(resources: Resources, reporter: ConsoleReporter,
+               storage: ResilientRDBStorage) -> TrialRunner:
+    return lambda study, trial: execute(study, trial, resources, reporter,
+                                        shared_batch_cache(study, storage))
 
 
 def _ask(study: optuna.Study) -> optuna.Trial:
