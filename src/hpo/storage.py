@@ -147,9 +147,9 @@ class ResilientRDBStorage(RDBStorage):
 
 # Not storage calls: construction, pickling, settings, and helpers that work inside a
 # session their caller opened (their caller is retried as a whole).
-_LOCAL = {"__init__", "__getstate__", "__setstate__", "remove_session", "get_failed_trial_callback",
-          "_build_frozen_trial_from_trial_model",
-          "get_heartbeat_interval", "get_heartbeat_stale_trial_callback"}
+_LOCAL = {"__init__", "__getstate__", "__setstate__", "remove_session",
+          "_build_frozen_trial_from_trial_model", "get_heartbeat_interval",
+          "get_heartbeat_stale_trial_callback", "get_failed_trial_callback"}
 
 
 def _storage_calls(cls: type) -> Iterator[str]:
@@ -166,6 +166,14 @@ def _storage_calls(cls: type) -> Iterator[str]:
 
 for _name in sorted(set(_storage_calls(RDBStorage)) - set(vars(ResilientRDBStorage))):
     setattr(ResilientRDBStorage, _name, _resilient(getattr(RDBStorage, _name)))
+
+
+def retry_callback(max_retry: int) -> RetryHeartbeatStaleTrialCallback:
+    """Optuna's re-queueing of a dead worker's trial, at most `max_retry` times."""
+    with warnings.catch_warnings():
+        # Experimental in Optuna 5; its documented way to retry a dead worker's trial.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
 
 
 def open_storage(
@@ -209,8 +217,7 @@ def open_storage(
                 # Heartbeats and their retry callback are marked experimental in Optuna 5;
                 # they are its documented way to reap dead workers' trials.
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                callback = (RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
-                            if heartbeat_interval else None)
+                callback = retry_callback(max_retry) if heartbeat_interval else None
                 return ResilientRDBStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
                     grace_period=grace_period, heartbeat_stale_trial_callback=callback,

@@ -6,19 +6,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import optuna
-from optuna.storages import RetryHeartbeatStaleTrialCallback
 
 from hpo import budget
 from hpo.config import StudyConfig
 from hpo.hardware import Device
 from hpo.memory import BatchLimit
 from hpo.space import PinnedSpace, pin
-from hpo.storage import ResilientRDBStorage
+from hpo.storage import ResilientRDBStorage, retry_callback
 
 
 def make_sampler(config: StudyConfig, trial_number: int | None = None
@@ -83,10 +81,7 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
         study.set_user_attr(LIVENESS, pinned)
     storage.heartbeat_interval = pinned["heartbeat_interval"]
     storage.grace_period = pinned["grace_period"]
-    with warnings.catch_warnings():
-        # Experimental in Optuna 5; its documented way to re-queue a dead worker's trial.
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = RetryHeartbeatStaleTrialCallback(max_retry=pinned["max_retry"])
+    retry = retry_callback(pinned["max_retry"])
     storage.heartbeat_stale_trial_callback = storage.failed_trial_callback = retry
     return pinned
 
