@@ -1,5 +1,6 @@
 """Trials in child processes: the same results as in-process, and no orphans."""
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 from conftest import REPO
 from optuna.trial import TrialState
 
+from hpo import isolation
 from hpo.cli import main
 
 
@@ -35,6 +37,41 @@ def test_child_process_trials_match_in_process_ones(tiny_study, tmp_path):
         assert set(x.user_attrs) == set(y.user_attrs)
         assert x.user_attrs["physical_batch_size"] == y.user_attrs["physical_batch_size"]
         assert x.user_attrs["worker"] != y.user_attrs["worker"]  # y ran in another process
+
+
+def test_a_child_killed_as_by_the_oom_killer_prunes_its_trial_and_lowers_the_batch(
+        one_model_study, tmp_path, monkeypatch):
+    # The kernel's OOM killer sends SIGKILL; the injected fault does so above 6 samples.
+    monkeypatch.setenv("HPO_FAULT_KILL_ABOVE_BATCH", "6")
+    storage = f"sqlite:///{tmp_path / 'killed.db'}"
+    assert run(one_model_study, storage, 3, "--set", "training.isolate_trials=true",
+               "--set", "search_space.target_effective_batch_size=[8]") == 0
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED,
+                                         TrialState.COMPLETE]
+    for killed, batch in zip(trials[:2], (8, 7), strict=True):
+        assert killed.user_attrs["prune_reason"] == "oom"
+        assert f"killed by SIGKILL (as the OOM killer does) at micro-batch {batch}" in \
+            killed.user_attrs["error"]
+        assert killed.user_attrs["batch_limit_after_oom"]["smallest_fail"] == batch
+    assert trials[2].user_attrs["physical_batch_size"] <= 6
+    (limit,) = [v for k, v in study.user_attrs.items() if k.startswith("batch_limit:")]
+    assert limit == {"largest_ok": 6, "smallest_fail": 7}
+
+
+def test_a_child_that_crashes_fails_its_trial_and_lowers_nothing():
+    class Untouchable:
+        def lower(self, *_):
+            raise AssertionError("a crash is not an out-of-memory kill")
+
+    attempt = isolation._Attempt(multiprocessing.get_context("spawn"))
+    attempt("tiny|none|32|cpu", 8)
+    for exitcode, error in ((-signal.SIGSEGV, "trial process killed by SIGSEGV"),
+                            (1, "trial process exited with code 1")):
+        outcome = isolation._death(exitcode, attempt, Untouchable(), trial=None)
+        assert (outcome.state, outcome.prune_reason, outcome.error) == (
+            TrialState.FAIL, None, error)
 
 
 @pytest.mark.slow

@@ -79,20 +79,30 @@ def cache_key(params: Params, max_length: int, device: Device) -> str:
     return f"{params.model_name}|{params.fp_precision}|{max_length}|{device.cache_key}"
 
 
+# Called with the batch cache key and the micro-batch before each step that may run out of
+# memory (each probe, then training): a process killed by the OOM killer cannot say it itself.
+Watch = Callable[[str, int], None]
+
+
+def _unwatched(_key: str, _batch: int) -> None:
+    return None
+
+
 def execute(
     study: optuna.Study, trial: optuna.Trial, resources: Resources, reporter: Reporter,
-    cache: StudyBatchCache,
+    cache: StudyBatchCache, watch: Watch = _unwatched,
 ) -> tuple[Outcome, FrozenTrial]:
     """Run one trial to its end and tell the study how it ended; `cache` is the study's
-    batch cache."""
+    batch cache, `watch` hears what the trial is about to try."""
     started = time.perf_counter()
     trial.set_user_attr("worker", worker_name())
     trial.set_user_attr("device", resources.device.describe())
     trial.set_user_attr("versions", library_versions())
     planned: TrialPlan | None = None
     try:
-        planned = plan_trial(trial, resources, cache)
+        planned = plan_trial(trial, resources, cache, watch)
         reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
+        watch(planned.batch_key, planned.plan.physical_batch)
         outcome = Outcome(TrialState.COMPLETE, value=train_trial(trial, planned, resources,
                                                                  reporter))
     except optuna.TrialPruned:
@@ -120,7 +130,8 @@ def execute(
     return outcome, finished
 
 
-def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache) -> TrialPlan:
+def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache,
+               watch: Watch = _unwatched) -> TrialPlan:
     """Sample the parameters, find the physical batch that fits and derive the plan; the
     settings are recorded on the trial."""
     config, device = resources.config, resources.device
@@ -150,7 +161,7 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
     build = functools.partial(resources.models.build, params.model_name,
                               train_data.labels.shape[1], seed=training.seed)
     probe_length = min(config.data.max_length, tokenizer.model_max_length)
-    limit, probes = _find_batch(build, base, device, key, bound, cache, probe_length)
+    limit, probes = _find_batch(build, base, device, key, bound, cache, probe_length, watch)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
     plan = replace(
         base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
@@ -239,12 +250,13 @@ def _record_progress(
 
 def _find_batch(
     build: Callable[[], torch.nn.Module], plan: Plan, device: Device, key: str, bound: int,
-    cache: StudyBatchCache, length: int,
+    cache: StudyBatchCache, length: int, watch: Watch,
 ) -> tuple[memory.BatchLimit, int]:
     known = cache.get(key)
     holder: dict[str, torch.nn.Module] = {}
 
     def step(batch: int) -> None:
+        watch(key, batch)
         if "model" not in holder:
             holder["model"] = prepare(build(), plan, device)
         model = holder["model"]

@@ -4,11 +4,15 @@ HPO_FAULT_OOM_ABOVE_BATCH=N   any forward pass on a micro-batch larger than N ra
                               torch.OutOfMemoryError, as a GPU that holds N samples would.
 HPO_FAULT_OOM_AT_STEP=K       the K-th optimizer step of each trial's training raises
                               torch.OutOfMemoryError once.
+HPO_FAULT_KILL_ABOVE_BATCH=N  any forward pass on a micro-batch larger than N kills its process
+                              with SIGKILL, as the kernel's OOM killer does when the host's
+                              memory runs out.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from typing import TYPE_CHECKING
 
 from hpo.errors import FaultConfigError
@@ -18,6 +22,7 @@ if TYPE_CHECKING:
 
 OOM_ABOVE_BATCH = "HPO_FAULT_OOM_ABOVE_BATCH"
 OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
+KILL_ABOVE_BATCH = "HPO_FAULT_KILL_ABOVE_BATCH"
 
 
 def _int_env(name: str) -> int | None:
@@ -34,19 +39,25 @@ def check_environment() -> None:
     """Fail early on a malformed fault variable rather than in the middle of a trial."""
     _int_env(OOM_ABOVE_BATCH)
     _int_env(OOM_AT_STEP)
+    _int_env(KILL_ABOVE_BATCH)
 
 
 def install(model: torch.nn.Module) -> None:
-    """Make `model` fail like a GPU of limited memory when HPO_FAULT_OOM_ABOVE_BATCH is set."""
-    limit = _int_env(OOM_ABOVE_BATCH)
-    if limit is None:
+    """Make `model` fail like a GPU of limited memory when HPO_FAULT_OOM_ABOVE_BATCH is set,
+    or die like a process the OOM killer chose when HPO_FAULT_KILL_ABOVE_BATCH is."""
+    limit, kill_above = _int_env(OOM_ABOVE_BATCH), _int_env(KILL_ABOVE_BATCH)
+    if limit is None and kill_above is None:
         return
     # torch is imported where faults fire, so the CLI checks the variables before loading it.
     import torch
 
     def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         inputs = kwargs.get("input_ids", args[0] if args else None)
-        if inputs is not None and inputs.shape[0] > limit:
+        if inputs is None:
+            return
+        if kill_above is not None and inputs.shape[0] > kill_above:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if limit is not None and inputs.shape[0] > limit:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (injected: micro-batch {inputs.shape[0]} > "
                 f"{OOM_ABOVE_BATCH}={limit})"

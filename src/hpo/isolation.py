@@ -2,8 +2,11 @@
 
 The parent claims the trial and keeps its heartbeat; the child opens its own storage
 connection, runs the trial exactly as a worker would in-process and tells the study. A child
-that dies without telling (a segfault, the kernel's OOM killer) fails its trial; a parent that
-dies takes its child with it (PR_SET_PDEATHSIG on Linux), so no orphan trains on.
+that dies without telling is told for by its parent: killed by SIGKILL, the kernel OOM
+killer's signal, the trial is pruned as out of memory and the micro-batch it was trying,
+which the child wrote into memory shared with its parent, lowers the study's batch limit;
+any other death (a segfault, an abort) fails the trial. A parent that dies takes its child
+with it (PR_SET_PDEATHSIG on Linux), so no orphan trains on.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from hpo.config import StudyConfig
 from hpo.executor import Outcome, execute
 from hpo.hardware import Device
 from hpo.space import PinnedSpace, suggest
+from hpo.storage import ResilientRDBStorage
+from hpo.study import StudyBatchCache, shared_batch_cache
 
 _PR_SET_PDEATHSIG = 1
 
 
 def in_child(
     config: StudyConfig, pinned: PinnedSpace, device: Device, url: str,
-    storage: optuna.storages.BaseStorage,
+    storage: ResilientRDBStorage,
 ):
     """A trial runner for worker.run_worker that runs every trial in a new process."""
     # spawn, not fork: the parent holds threads (heartbeat, torch's pools) and open
@@ -39,8 +44,10 @@ def in_child(
     def run(study: optuna.Study, trial: optuna.Trial) -> tuple[Outcome, FrozenTrial]:
         # Sampled here, by the worker's long-lived sampler; the child reads them back.
         suggest(trial, pinned)
+        attempt = _Attempt(context)
         child = context.Process(
-            target=_child_main, args=(payload, trial._trial_id, os.getpid()), daemon=True
+            target=_child_main, args=(payload, trial._trial_id, os.getpid(), attempt),
+            daemon=True,
         )
         child.start()
         try:
@@ -50,14 +57,54 @@ def in_child(
             child.join()
             raise
         frozen = storage.get_trial(trial._trial_id)
-        if frozen.state == TrialState.RUNNING:
-            error = f"trial process died with exit code {child.exitcode}"
-            trial.set_user_attr("error", error)
-            frozen = study.tell(trial, state=TrialState.FAIL)
-            return Outcome(TrialState.FAIL, error=error), frozen
-        return _outcome(frozen), frozen
+        if frozen.state != TrialState.RUNNING:
+            return _outcome(frozen), frozen
+        outcome = _death(child.exitcode, attempt, shared_batch_cache(study, storage), trial)
+        if outcome.prune_reason:
+            trial.set_user_attr("prune_reason", outcome.prune_reason)
+        trial.set_user_attr("error", outcome.error)
+        return outcome, study.tell(trial, state=outcome.state)
 
     return run
+
+
+class _Attempt:
+    """The batch cache key and micro-batch a child is trying, in memory it shares with its
+    parent: written before each step, so it is there when the step kills the child."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext) -> None:
+        self._key = context.Array("c", 1024, lock=False)
+        self._batch = context.Value("i", 0, lock=False)
+
+    def __call__(self, key: str, batch: int) -> None:
+        self._batch.value = 0  # a key without its batch is never read half-written
+        self._key.value = key.encode()[:1023]
+        self._batch.value = batch
+
+    def read(self) -> tuple[str, int] | None:
+        batch = self._batch.value
+        return (self._key.value.decode(), batch) if batch else None
+
+
+def _death(exitcode: int | None, attempt: _Attempt, cache: StudyBatchCache,
+           trial: optuna.Trial) -> Outcome:
+    """The outcome of a trial whose child died before telling the study."""
+    if exitcode is not None and exitcode < 0:
+        how = f"killed by {signal.Signals(-exitcode).name}"
+    else:
+        how = f"exited with code {exitcode}"
+    if exitcode != -signal.SIGKILL:
+        return Outcome(TrialState.FAIL, error=f"trial process {how}")
+    tried = attempt.read()
+    if tried is None:
+        return Outcome(TrialState.PRUNED, prune_reason="oom",
+                       error=f"trial process {how} (as the OOM killer does) before it tried "
+                             f"a batch")
+    key, batch = tried
+    lowered = cache.lower(key, batch)
+    trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
+    return Outcome(TrialState.PRUNED, prune_reason="oom",
+                   error=f"trial process {how} (as the OOM killer does) at micro-batch {batch}")
 
 
 def _outcome(frozen: FrozenTrial) -> Outcome:
@@ -75,13 +122,14 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child_main(payload: dict[str, Any], trial_id: int, parent: int) -> None:
+def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _Attempt
+                ) -> None:
     _die_with_parent(parent)
     from hpo import hardware, models
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
     from hpo.storage import open_storage
-    from hpo.study import make_pruner, shared_batch_cache
+    from hpo.study import make_pruner
 
     models.quiet_transformers()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -93,4 +141,4 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int) -> None:
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
     execute(study, optuna.trial.Trial(study, trial_id), resources, ConsoleReporter(),
-            shared_batch_cache(study, storage))
+            shared_batch_cache(study, storage), attempt)
