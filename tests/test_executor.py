@@ -150,3 +150,62 @@ def test_every_trial_releases_memory_after_it_ends(tiny_study, storage, monkeypa
     monkeypatch.setattr(executor.memory, "release_memory", spy)
     assert run(tiny_study, storage, 2) == 0
     assert callers.count("execute") == len(trials(storage)) == 2
+
+
+def _reap_during_first_epoch(monkeypatch, storage_url: str, claimed_by_another: bool):
+    """Make the reaper strike while trial 0 trains: on its first epoch, another worker fails
+    it and queues its retry copy, as worker.reap does with a trial whose heartbeats stopped;
+    with `claimed_by_another`, that worker then also claims and finishes the copy."""
+    from hpo import report
+    from hpo.storage import open_storage
+
+    epoch = report.ConsoleReporter.epoch
+    struck = []
+
+    def reaped_meanwhile(self, number, *args):
+        if not struck:
+            struck.append(number)
+            other = open_storage(storage_url, heartbeat_interval=30, grace_period=120)
+            study = optuna.load_study(study_name="tiny", storage=other)
+            (running,) = study.get_trials(states=(TrialState.RUNNING,))
+            assert other.set_trial_state_values(running._trial_id, state=TrialState.FAIL)
+            other.get_heartbeat_stale_trial_callback()(study, other.get_trial(running._trial_id))
+            if claimed_by_another:
+                copy = study.ask()
+                assert copy.params == running.params  # the retry copy, claimed
+                study.tell(copy, 0.5)
+            other.engine.dispose()
+        epoch(self, number, *args)
+
+    monkeypatch.setattr(report.ConsoleReporter, "epoch", reaped_meanwhile)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_a_trial_reaped_while_it_ran_keeps_its_result_in_its_retry_copy(
+        tiny_study, storage, monkeypatch, capsys):
+    _reap_during_first_epoch(monkeypatch, storage, claimed_by_another=False)
+    assert run(tiny_study, storage, 2, "--set", "training.epochs=2") == 0
+    reaped, kept, after = trials(storage)
+    assert [t.state for t in (reaped, kept, after)] == [TrialState.FAIL, TrialState.COMPLETE,
+                                                       TrialState.COMPLETE]
+    assert kept.params == reaped.params
+    assert kept.user_attrs["result_of"] == 0
+    assert sorted(kept.intermediate_values) == [1, 2]  # epoch 1 carried over, epoch 2 written
+    assert kept.user_attrs["epochs_completed"] == 2
+    out = capsys.readouterr().out
+    assert f"trial 1 value {kept.value:.4f}" in out
+    assert "(the run of trial 0, reaped while it ran)" in out, out
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_a_trial_reaped_while_it_ran_whose_retry_was_taken_is_dropped_with_a_warning(
+        tiny_study, storage, monkeypatch, capsys):
+    _reap_during_first_epoch(monkeypatch, storage, claimed_by_another=True)
+    assert run(tiny_study, storage, 2, "--set", "training.epochs=2") == 0
+    states = [t.state for t in trials(storage)]
+    assert states == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    captured = capsys.readouterr()
+    assert ("hpo: warning: trial 0 was reaped while it ran (its heartbeats were lost) and its "
+            "retry was already claimed by another worker: this run's result is dropped"
+            ) in captured.err
+    assert "trial 0 value" not in captured.out

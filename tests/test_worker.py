@@ -15,9 +15,9 @@ from hpo.cli import main
 from hpo.config import load
 from hpo.errors import Terminated
 from hpo.executor import Outcome
-from hpo.storage import open_storage
+from hpo.storage import open_storage, single_attempt
 from hpo.study import make_sampler
-from hpo.worker import WorkerStopped, below_baseline_warning, reap, run_worker
+from hpo.worker import WorkerStopped, below_baseline_warning, heartbeat, reap, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -318,3 +318,47 @@ def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_oversh
     assert (given_back.state, other.state) == (TrialState.FAIL, TrialState.COMPLETE)
     assert "given back to keep the budget exact" in given_back.user_attrs["error"]
     assert "trial 0 given back" in reporter.messages[0]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(tmp_path):
+    """Every heartbeat stops while the database is down; a reaper that was cut off too waits
+    a grace period of unbroken contact, in which the live trial beats again, before judging."""
+    from postgres import PrivateServer
+
+    server = PrivateServer(tmp_path)
+    server.start()
+    opened = []
+    try:
+        live, reaper = (open_storage(server.url, heartbeat_interval=1, grace_period=3)
+                        for _ in range(2))
+        opened = [live, reaper]
+        study = optuna.create_study(study_name="o", storage=live)
+        watched = optuna.load_study(study_name="o", storage=reaper)
+        study_id = reaper.get_study_id_from_name("o")
+        trial = study.ask()
+        assert not reaper.trusts_heartbeats()  # just started: it cannot know yet
+        with heartbeat(live, trial):
+            time.sleep(3.5)
+            assert reaper.trusts_heartbeats()
+            server.stop()
+            with pytest.raises(optuna.exceptions.StorageInternalError), single_attempt():
+                reaper.get_all_studies()
+            assert not reaper.trusts_heartbeats()
+            time.sleep(6)  # twice the grace period without a heartbeat
+            server.start_again()
+            reaped_at = None
+            deadline = time.monotonic() + 8
+            while time.monotonic() < deadline:
+                watched.get_trials(deepcopy=False)  # the loop's polling, which regains contact
+                if reaped_at is None and reaper.trusts_heartbeats():
+                    reaped_at = time.monotonic()
+                if reaper.trusts_heartbeats():
+                    reap(watched, reaper, study_id)
+                time.sleep(0.5)
+            assert reaped_at is not None, "the reaper never trusted the heartbeats again"
+            assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
+    finally:
+        for s in opened:
+            s.engine.dispose()
+        server.destroy()

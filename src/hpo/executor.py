@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import optuna
 import psutil
@@ -29,7 +29,7 @@ from hpo.errors import one_line
 from hpo.hardware import Device, library_versions
 from hpo.resources import Resources
 from hpo.space import Params, suggest
-from hpo.study import StudyBatchCache
+from hpo.study import StudyBatchCache, carry_over
 from hpo.train import (
     NonFiniteLoss,
     Plan,
@@ -40,6 +40,8 @@ from hpo.train import (
     probe_step,
     train,
 )
+
+T = TypeVar("T")
 
 
 class Reporter(Protocol):
@@ -54,6 +56,32 @@ class Outcome:
     value: float | None = None
     prune_reason: str | None = None
     error: str | None = None
+    # The trial was reaped while it ran: its result went to its retry copy, which was told
+    # in its place (`kept_from` is the reaped trial's number), or, with no copy left to
+    # claim, nowhere (`dropped` says why).
+    kept_from: int | None = None
+    dropped: str | None = None
+
+
+class Reaped(Exception):
+    """The trial was reaped while it ran and no waiting copy was left to carry its result."""
+
+
+def write_kept(trial: optuna.Trial, write: Callable[[], T]) -> T:
+    """Run `write` on the trial; if the trial was reaped while it ran, carry it over to its
+    waiting copy (`study.carry_over`) and write there, else raise Reaped."""
+    try:
+        return write()
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+        # ValueError: study.tell's "Cannot tell a FAIL trial"; the state says which it was.
+        if not trial.storage.get_trial(trial._trial_id).state.is_finished():
+            raise
+    number = trial.number
+    if carry_over(trial.study, trial) is None:
+        raise Reaped(f"trial {number} was reaped while it ran (its heartbeats were lost) and "
+                     f"its retry was already claimed by another worker: this run's result is "
+                     f"dropped")
+    return write()
 
 
 @dataclass(frozen=True)
@@ -95,11 +123,13 @@ def execute(
     """Run one trial to its end and tell the study how it ended; `cache` is the study's
     batch cache, `watch` hears what the trial is about to try."""
     started = time.perf_counter()
-    trial.set_user_attr("worker", worker_name())
-    trial.set_user_attr("device", resources.device.describe())
-    trial.set_user_attr("versions", library_versions())
+    number = trial.number  # `trial` may be carried over to its retry copy on the way
     planned: TrialPlan | None = None
+    failed_at: str | None = None
     try:
+        trial.set_user_attr("worker", worker_name())
+        trial.set_user_attr("device", resources.device.describe())
+        trial.set_user_attr("versions", library_versions())
         planned = plan_trial(trial, resources, cache, watch)
         reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
         watch(planned.batch_key, planned.plan.physical_batch)
@@ -109,24 +139,45 @@ def execute(
         outcome = Outcome(TrialState.PRUNED, prune_reason="pruner")
     except NonFiniteLoss as exc:
         outcome = Outcome(TrialState.PRUNED, prune_reason="nan_loss", error=str(exc))
+    except Reaped as exc:
+        outcome = Outcome(TrialState.FAIL, dropped=str(exc))
+    except optuna.exceptions.UpdateFinishedTrialError:
+        # Reaped before it had a result: its waiting copy is the next worker's to run.
+        outcome = Outcome(TrialState.FAIL, dropped=f"trial {number} was reaped while "
+                                                   f"it was being set up; its retry is left "
+                                                   f"to the next worker")
     except Exception as exc:
         if memory.is_oom(exc):
             outcome = Outcome(TrialState.PRUNED, prune_reason="oom", error=one_line(exc))
         else:
             outcome = Outcome(TrialState.FAIL, error=one_line(exc))
-            trial.set_user_attr("traceback", traceback.format_exc()[-4000:])
+            failed_at = traceback.format_exc()[-4000:]
     # Outside the except block: the traceback no longer holds the failed step's tensors.
     memory.release_memory()
-    if outcome.prune_reason == "oom" and planned is not None:
-        lowered = cache.lower(planned.batch_key, planned.plan.physical_batch)
-        trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
-    if outcome.prune_reason:
-        trial.set_user_attr("prune_reason", outcome.prune_reason)
-    if outcome.error:
-        trial.set_user_attr("error", outcome.error)
-    trial.set_user_attr("worker_rss_mb", round(psutil.Process().memory_info().rss / 2**20, 1))
-    trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
-    finished = study.tell(trial, outcome.value, state=outcome.state)
+    if outcome.dropped:
+        return outcome, trial.storage.get_trial(trial._trial_id)
+
+    def finish() -> FrozenTrial:
+        if outcome.prune_reason == "oom" and planned is not None:
+            lowered = cache.lower(planned.batch_key, planned.plan.physical_batch)
+            trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
+        if outcome.prune_reason:
+            trial.set_user_attr("prune_reason", outcome.prune_reason)
+        if outcome.error:
+            trial.set_user_attr("error", outcome.error)
+        if failed_at:
+            trial.set_user_attr("traceback", failed_at)
+        trial.set_user_attr("worker_rss_mb",
+                            round(psutil.Process().memory_info().rss / 2**20, 1))
+        trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
+        return study.tell(trial, outcome.value, state=outcome.state)
+
+    try:
+        finished = write_kept(trial, finish)
+    except Reaped as exc:
+        return replace(outcome, dropped=str(exc)), trial.storage.get_trial(trial._trial_id)
+    if trial.number != number:
+        outcome = replace(outcome, kept_from=number)
     return outcome, finished
 
 
@@ -208,7 +259,7 @@ def train_trial(
 
     def on_epoch(epoch: int, score: float) -> None:
         reporter.epoch(trial.number, epoch, plan.epochs, score)
-        trial.report(value(), epoch)
+        write_kept(trial, lambda: trial.report(value(), epoch))
         # After the last epoch the compute is spent: the result is kept, not pruned.
         if epoch < plan.epochs and trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
@@ -224,7 +275,7 @@ def train_trial(
         train(model, planned.train_data, plan, device, pad_id=planned.pad_id,
               evaluate=evaluate, on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
     finally:
-        _record_progress(trial, progress, scores, objective, rule)
+        write_kept(trial, lambda: _record_progress(trial, progress, scores, objective, rule))
     return value()
 
 

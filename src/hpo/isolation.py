@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
+from dataclasses import replace
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo.config import StudyConfig
-from hpo.executor import Outcome, execute
+from hpo.executor import Outcome, Reaped, execute, write_kept
 from hpo.hardware import Device
 from hpo.space import PinnedSpace, suggest
 from hpo.storage import ResilientRDBStorage
@@ -39,31 +41,50 @@ def in_child(
     # connections that a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
     payload = {"config": config.model_dump(mode="json"), "pinned": pinned.to_json(),
-               "device": device, "url": url}
+               "device": device, "url": url, "heartbeat_interval": storage.heartbeat_interval,
+               "grace_period": storage.grace_period}
 
     def run(study: optuna.Study, trial: optuna.Trial) -> tuple[Outcome, FrozenTrial]:
         # Sampled here, by the worker's long-lived sampler; the child reads them back.
         suggest(trial, pinned)
         attempt = _Attempt(context)
+        receiver, sender = context.Pipe(duplex=False)
         child = context.Process(
-            target=_child_main, args=(payload, trial._trial_id, os.getpid(), attempt),
-            daemon=True,
+            target=_child_main,
+            args=(payload, trial._trial_id, os.getpid(), attempt, sender), daemon=True,
         )
         child.start()
+        sender.close()
         try:
-            child.join()
+            # The child sends its outcome and the trial it told (its retry copy, if it was
+            # reaped while it ran) just before it exits.
+            told = receiver.recv() if receiver.poll(None) else None
+        except EOFError:
+            told = None  # it died without a word
         except BaseException:
             child.kill()
-            child.join()
             raise
+        finally:
+            child.join()
+            receiver.close()
+        if told is not None:
+            outcome, trial_id = told
+            return outcome, storage.get_trial(trial_id)
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state != TrialState.RUNNING:
             return _outcome(frozen), frozen
         outcome = _death(child.exitcode, attempt, shared_batch_cache(study, storage), trial)
-        if outcome.prune_reason:
-            trial.set_user_attr("prune_reason", outcome.prune_reason)
-        trial.set_user_attr("error", outcome.error)
-        return outcome, study.tell(trial, state=outcome.state)
+
+        def tell() -> FrozenTrial:
+            if outcome.prune_reason:
+                trial.set_user_attr("prune_reason", outcome.prune_reason)
+            trial.set_user_attr("error", outcome.error)
+            return study.tell(trial, state=outcome.state)
+
+        try:
+            return outcome, write_kept(trial, tell)
+        except Reaped as exc:
+            return replace(outcome, dropped=str(exc)), storage.get_trial(trial._trial_id)
 
     return run
 
@@ -122,23 +143,30 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _Attempt
-                ) -> None:
+def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _Attempt,
+                sender: multiprocessing.connection.Connection) -> None:
     _die_with_parent(parent)
     from hpo import hardware, models
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
     from hpo.storage import open_storage
     from hpo.study import make_pruner
+    from hpo.worker import heartbeat
 
     models.quiet_transformers()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = StudyConfig.model_validate(payload["config"])
     device = payload["device"]
     hardware.configure_backends(device)
-    storage = open_storage(payload["url"])
+    # The child beats too: if its trial is reaped and carried over to its retry copy, only
+    # the child knows the copy.
+    storage = open_storage(payload["url"], heartbeat_interval=payload["heartbeat_interval"],
+                           grace_period=payload["grace_period"])
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
-    execute(study, optuna.trial.Trial(study, trial_id), resources, ConsoleReporter(),
-            shared_batch_cache(study, storage), attempt)
+    trial = optuna.trial.Trial(study, trial_id)
+    with heartbeat(storage, trial):
+        outcome, told = execute(study, trial, resources, ConsoleReporter(),
+                                shared_batch_cache(study, storage), attempt)
+    sender.send((outcome, told._trial_id))

@@ -81,6 +81,9 @@ class ConsoleReporter:
 
     def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None:
         self._stop_progress()
+        if outcome.dropped:
+            self.warning(outcome.dropped)
+            return
         attrs = trial.user_attrs
         if outcome.state == TrialState.COMPLETE:
             result = f"value {outcome.value:.4f}"
@@ -92,9 +95,11 @@ class ConsoleReporter:
         if "physical_batch_size" in attrs:
             batch = f" batch {attrs['physical_batch_size']}x{attrs['grad_accum_steps']}"
         seconds = attrs.get("trial_seconds", 0.0)
+        kept = (f" (the run of trial {outcome.kept_from}, reaped while it ran)"
+                if outcome.kept_from is not None else "")
         self.console.print(
             f"trial {trial.number} {result}  {describe_params(trial.params)}{batch} "
-            f"{seconds:.1f}s"
+            f"{seconds:.1f}s{kept}"
         )
 
     def message(self, text: str) -> None:

@@ -7,6 +7,7 @@ is written once the database is back rather than dropped. Passwords never leave 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -106,6 +107,37 @@ def retrying(call: Callable[[], T], *, seconds: float, what: str) -> T:
 _retrying_here = threading.local()
 
 
+class Contact:
+    """Since when a storage has reached its database without a break. Every worker's
+    heartbeats stop during an outage, so a reaper that was itself cut off must see a grace
+    period of unbroken contact, in which every live worker beats again, before it judges."""
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
+        self._broken = False
+
+    def lost(self) -> None:
+        self._broken = True
+
+    def made(self) -> None:
+        if self._broken:
+            self.since, self._broken = time.monotonic(), False
+
+    def unbroken_seconds(self) -> float:
+        return 0.0 if self._broken else time.monotonic() - self.since
+
+
+@contextlib.contextmanager
+def single_attempt() -> Iterator[None]:
+    """Storage calls of this thread, inside the block, try once and raise: for a caller
+    that tries again on its own schedule, as the heartbeat does every interval."""
+    _retrying_here.single = True
+    try:
+        yield
+    finally:
+        _retrying_here.single = False
+
+
 def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
     """The method, retried as a whole through an outage. Only the outermost storage call of a
     thread retries: a public method calls private ones, and nested retries would multiply
@@ -119,10 +151,18 @@ def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
 
         def attempt() -> Any:
             _retrying_here.attempts += 1
-            return method(self, *args, **kwargs)
+            try:
+                result = method(self, *args, **kwargs)
+            except Exception as exc:
+                if is_connection_error(exc):
+                    self.contact.lost()
+                raise
+            self.contact.made()
+            return result
 
+        seconds = 0.0 if getattr(_retrying_here, "single", False) else self.outage_seconds
         try:
-            return retrying(attempt, seconds=self.outage_seconds, what=method.__name__)
+            return retrying(attempt, seconds=seconds, what=method.__name__)
         finally:
             _retrying_here.active = False
 
@@ -133,6 +173,16 @@ class ResilientRDBStorage(RDBStorage):
     """RDBStorage whose calls wait out a database outage instead of failing the worker."""
 
     outage_seconds = OUTAGE_SECONDS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.contact = Contact()
+        super().__init__(*args, **kwargs)
+
+    def trusts_heartbeats(self) -> bool:
+        """True when this storage has been in unbroken contact for a grace period, so a
+        trial whose heartbeat is older than that is dead, not cut off by an outage."""
+        grace = self.grace_period or 2 * (self.heartbeat_interval or 0)
+        return self.contact.unbroken_seconds() >= grace
 
     @_resilient
     def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:

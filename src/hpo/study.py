@@ -10,6 +10,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import optuna
+from optuna.trial import TrialState
 
 from hpo import budget
 from hpo.config import StudyConfig
@@ -84,6 +85,32 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
     retry = retry_callback(pinned["max_retry"])
     storage.heartbeat_stale_trial_callback = storage.failed_trial_callback = retry
     return pinned
+
+
+def carry_over(study: optuna.Study, trial: optuna.Trial) -> int | None:
+    """For a trial that was reaped while it ran (its heartbeats lost, another worker took it
+    for dead): claim the waiting copy the reaper queued, if no worker has claimed it yet,
+    carry over what the trial recorded and point `trial` at the copy, so the run goes on and
+    its result is kept. Returns the reaped trial's number, or None when there is no copy to
+    claim: the result then has nowhere to go."""
+    number = trial.number
+    copies = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+              if t.system_attrs.get("retry_history", [None])[-1] == number]
+    storage = trial.storage
+    for copy in copies:
+        # Atomic, as ask() claims a waiting trial: only one worker can win it.
+        if not storage.set_trial_state_values(copy._trial_id, state=TrialState.RUNNING):
+            continue
+        reaped = storage.get_trial(trial._trial_id)
+        for step, value in reaped.intermediate_values.items():
+            storage.set_trial_intermediate_value(copy._trial_id, step, value)
+        for key, value in {**reaped.user_attrs, "result_of": number}.items():
+            storage.set_trial_user_attr(copy._trial_id, key, value)
+        # The same object, now standing for the copy: the training loop, its callbacks and
+        # the heartbeat all hold it. Trial's public constructor, re-run in place.
+        optuna.trial.Trial.__init__(trial, study, copy._trial_id)
+        return number
+    return None
 
 
 def finished_count(study: optuna.Study) -> int:

@@ -27,7 +27,7 @@ from hpo.executor import Outcome, execute
 from hpo.hardware import Device
 from hpo.report import ConsoleReporter
 from hpo.resources import Resources, load_resources
-from hpo.storage import ResilientRDBStorage, redact
+from hpo.storage import ResilientRDBStorage, redact, single_attempt
 from hpo.study import finished_count, join, make_sampler, shared_batch_cache
 
 BASELINE = "every symptom predicted for every post"
@@ -139,9 +139,11 @@ def work(
 
 
 @contextlib.contextmanager
-def heartbeat(storage: ResilientRDBStorage, trial_id: int) -> Iterator[None]:
+def heartbeat(storage: ResilientRDBStorage, trial: optuna.Trial) -> Iterator[None]:
     """Record the trial's heartbeat every interval while it runs, from a background thread,
-    so a long training step cannot make a live trial look dead."""
+    so a long training step cannot make a live trial look dead. It beats for whatever trial
+    the object stands for: a trial carried over to its retry copy (`study.carry_over`) moves
+    its heartbeat along."""
     interval = storage.get_heartbeat_interval()
     if not interval:
         yield
@@ -150,12 +152,13 @@ def heartbeat(storage: ResilientRDBStorage, trial_id: int) -> Iterator[None]:
 
     def beat() -> None:
         while not stop.wait(interval):
-            # A beat lost to an outage is not fatal: the next one, or the grace period, copes.
-            with contextlib.suppress(Exception):
-                storage.record_heartbeat(trial_id)
+            # One try per interval, no backoff: once an outage ends the trial beats again
+            # within an interval, well inside the grace period reapers then wait.
+            with contextlib.suppress(Exception), single_attempt():
+                storage.record_heartbeat(trial._trial_id)
 
-    storage.record_heartbeat(trial_id)
-    thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)
+    storage.record_heartbeat(trial._trial_id)
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
     thread.start()
     try:
         yield
@@ -258,7 +261,7 @@ def _run_claimed(
         retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
         if retried is not None:
             trial.set_user_attr("retry_of", retried)
-    with heartbeat(storage, trial._trial_id):
+    with heartbeat(storage, trial):
         return run_trial(study, trial)
 
 
@@ -305,8 +308,10 @@ def run_worker(
     last_reap = -math.inf
     while True:
         # Reaping reads every running trial's heartbeat: once per heartbeat interval is
-        # enough, since nothing can turn stale faster than that.
-        if time.monotonic() - last_reap >= reap_every:
+        # enough, since nothing can turn stale faster than that. Not within a grace period
+        # of this worker's start or its last lost contact: the heartbeats it would judge may
+        # have stopped in the same outage.
+        if time.monotonic() - last_reap >= reap_every and storage.trusts_heartbeats():
             reap(study, storage, study_id)
             last_reap = time.monotonic()
         with budget.study_lock(storage.engine, study.study_name) as connection:
@@ -337,7 +342,9 @@ def run_worker(
             raise
         ran += 1
         reporter.trial_finished(finished, outcome)
-        failures = failures + 1 if outcome.state == TrialState.FAIL else 0
+        # A dropped result was lost for want of contact, not for anything of its own.
+        if not outcome.dropped:
+            failures = failures + 1 if outcome.state == TrialState.FAIL else 0
         if failures >= max_consecutive_failures:
             raise WorkerStopped(f"{failures} trials in a row failed; last error: {outcome.error}")
     return WorkerResult(ran, finished_count(study))
