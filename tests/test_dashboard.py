@@ -1,13 +1,18 @@
 """`hpo dashboard` in a real browser: headless Chromium renders the study a real `hpo run`
 produced, and an OOM-pruned trial is told apart from a completed one."""
 
+import contextlib
+import json
 import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
+import optuna
 import pytest
 from conftest import REPO, require_command
 
@@ -33,32 +38,76 @@ def rendered_text(url: str, profile) -> str:
 
 
 @pytest.fixture
-def dashboard(tiny_study, tmp_path, monkeypatch):
-    require_command("chromium", "chromium")
+def results(tiny_study, tmp_path, monkeypatch) -> str:
+    """A storage holding a completed trial and OOM-pruned ones, from real `hpo run`s."""
     storage = f"sqlite:///{tmp_path / 'dash.db'}"
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "1"]) == 0
     monkeypatch.setenv("HPO_FAULT_OOM_AT_STEP", "2")
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "2"]) == 0
+    return storage
+
+
+@contextlib.contextmanager
+def served(storage: str, *extra: str) -> Iterator[str]:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "hpo.cli", "dashboard", "--storage", storage, "--port",
-         str(port)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         str(port), *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{base}/api/studies", timeout=2)
-            break
-        except OSError:
-            assert server.poll() is None, server.stderr.read()
-            assert time.monotonic() < deadline, "dashboard did not answer"
-            time.sleep(0.3)
-    yield base
-    server.terminate()
-    server.wait(timeout=10)
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/studies", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read()
+                assert time.monotonic() < deadline, "dashboard did not answer"
+                time.sleep(0.3)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.fixture
+def dashboard(results) -> Iterator[str]:
+    require_command("chromium", "chromium")
+    with served(results) as base:
+        yield base
+
+
+def request(method: str, url: str, body: dict | None = None) -> tuple[int, str]:
+    data = json.dumps(body or {}).encode()
+    ask = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(ask, timeout=10) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read().decode()
+
+
+def test_the_dashboard_is_read_only_unless_writes_are_allowed(results):
+    study = optuna.load_study(study_name="tiny", storage=results)
+    (trial,) = [t for t in study.trials if t.number == 0]
+    with served(results) as base:
+        status, body = request("POST", f"{base}/api/trials/{trial._trial_id}/user-attrs",
+                               {"user_attrs": {"note": "x"}})
+        assert status == 403 and "read-only" in body and "--allow-writes" in body
+        status, body = request("DELETE", f"{base}/api/studies/{study._study_id}")
+        assert status == 403 and "delete_study refused" in body
+    after = optuna.load_study(study_name="tiny", storage=results).trials
+    assert [(t.state, t.user_attrs) for t in after] == [
+        (t.state, t.user_attrs) for t in study.trials]
+    with served(results, "--allow-writes") as base:
+        status, _ = request("DELETE", f"{base}/api/studies/{study._study_id}")
+        assert status == 204
+    assert optuna.get_all_study_names(storage=results) == []
 
 
 def test_dashboard_shows_trials_parameters_attributes_and_the_oom_prune(dashboard, tmp_path):
@@ -89,3 +138,16 @@ def test_dashboard_binds_loopback_by_default_and_hides_the_password(capsys):
     captured = capsys.readouterr()
     assert code == 2
     assert "Hidden-Pw" not in captured.out + captured.err
+
+
+def test_every_write_of_the_storage_api_is_refused_and_every_read_is_not():
+    from optuna.storages import BaseStorage
+
+    from hpo.dashboard import ReadOnlyStorage
+
+    reads = {"remove_session", "check_trial_is_updatable"}
+    for name, attribute in vars(BaseStorage).items():
+        if name.startswith("_") or not callable(attribute):
+            continue
+        refused = getattr(ReadOnlyStorage, name).__code__.co_name == "refuse"
+        assert refused == (not name.startswith("get_") and name not in reads), name

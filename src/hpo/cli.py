@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--host", default="127.0.0.1",
                            help="interface to bind (the dashboard has no authentication)")
     dashboard.add_argument("--port", type=_port, default=8080)
+    dashboard.add_argument("--allow-writes", action="store_true",
+                           help="let the dashboard tell trials, edit attributes and delete "
+                                "studies (read-only without it)")
 
     hardware = commands.add_parser(
         "hardware", help="what the device supports, measured step time per precision")
@@ -229,7 +232,7 @@ def command_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _open_for_reading(args: argparse.Namespace):
+def _open_for_reading(args: argparse.Namespace, **options):
     """The storage of an existing study: --storage, HPO_STORAGE, the study file, hpo.db."""
     import optuna
 
@@ -246,7 +249,7 @@ def _open_for_reading(args: argparse.Namespace):
     if missing is not None:
         raise ConfigError(f"no storage at {missing}: nothing has run there yet (`hpo run` "
                           f"creates it; --storage or HPO_STORAGE names another)")
-    return storage.open_storage(url), url
+    return storage.open_storage(url, **options), url
 
 
 def _load_study(args: argparse.Namespace, opened=None, url: str | None = None):
@@ -359,15 +362,19 @@ def command_delete(args: argparse.Namespace) -> int:
 def command_dashboard(args: argparse.Namespace) -> int:
     import optuna_dashboard
 
-    from hpo.storage import redact
+    from hpo.dashboard import ReadOnlyStorage
+    from hpo.storage import ResilientRDBStorage, redact
 
-    opened, url = _open_for_reading(args)
+    kind = ResilientRDBStorage if args.allow_writes else ReadOnlyStorage
+    opened, url = _open_for_reading(args, storage_class=kind)
+    may = "read and edit" if args.allow_writes else "read"
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"hpo: warning: optuna-dashboard has no authentication and binds {args.host}; "
-              f"anyone who can reach port {args.port} can read and edit the studies",
+              f"anyone who can reach port {args.port} can {may} the studies",
               file=sys.stderr)
+    mode = "edits allowed" if args.allow_writes else "read-only; --allow-writes to edit"
     print(f"optuna-dashboard for {redact(url)} on http://{args.host}:{args.port}/dashboard "
-          f"(Ctrl-C stops it)", flush=True)
+          f"({mode}; Ctrl-C stops it)", flush=True)
     optuna_dashboard.run_server(opened, host=args.host, port=args.port)
     return EXIT_OK
 

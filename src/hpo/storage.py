@@ -233,6 +233,7 @@ def open_storage(
     grace_period: int | None = None,
     max_retry: int = 2,
     start_seconds: float = START_SECONDS,
+    storage_class: type[ResilientRDBStorage] = ResilientRDBStorage,
 ) -> ResilientRDBStorage:
     """Open (creating its tables if needed) the storage at `url`.
 
@@ -268,7 +269,7 @@ def open_storage(
                 # they are its documented way to reap dead workers' trials.
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 callback = retry_callback(max_retry) if heartbeat_interval else None
-                return ResilientRDBStorage(
+                return storage_class(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
                     grace_period=grace_period, heartbeat_stale_trial_callback=callback,
                 )

@@ -1,0 +1,51 @@
+"""optuna-dashboard over a study's storage, read-only unless asked otherwise.
+
+The dashboard can tell a running trial COMPLETE or FAIL, edit attributes and delete a study,
+and it has no authentication: a fleet's results are one click from gone. By default every
+write is refused at the storage (HTTP 403 with the reason, shown in the page);
+`--allow-writes` serves the storage as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import bottle
+from optuna.storages import RDBStorage
+
+from hpo.storage import ResilientRDBStorage
+
+REFUSAL = "this dashboard is read-only; restart it with `hpo dashboard --allow-writes` to edit"
+
+
+_WRITE = re.compile(r"_?(create_new|delete|set|record)_")
+
+
+def _writes(cls: type) -> Iterator[str]:
+    """Every method of the RDB storage that changes the database, public or private: the
+    names Optuna gives its writes (create_new_*, delete_*, set_*, record_*)."""
+    for klass in cls.__mro__:
+        for name, attribute in vars(klass).items():
+            if inspect.isfunction(attribute) and _WRITE.match(name):
+                yield name
+
+
+def _refused(name: str) -> Callable[..., Any]:
+    def refuse(self: ReadOnlyStorage, *args: Any, **kwargs: Any) -> Any:
+        # optuna-dashboard turns bottle's HTTPError into the status and reason it shows.
+        raise bottle.HTTPError(403, f"{REFUSAL} ({name} refused)")
+
+    return functools.update_wrapper(refuse, getattr(RDBStorage, name))
+
+
+class ReadOnlyStorage(ResilientRDBStorage):
+    """The storage with every write refused."""
+
+
+for _name in sorted(set(_writes(RDBStorage))):
+    setattr(ReadOnlyStorage, _name, _refused(_name))
+
