@@ -22,7 +22,7 @@ import psutil
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import memory, metrics
+from hpo import faults, memory, metrics
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.errors import one_line
@@ -170,6 +170,7 @@ def execute(
         trial.set_user_attr("worker_rss_mb",
                             round(psutil.Process().memory_info().rss / 2**20, 1))
         trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
+        faults.kill_at("tell")
         return study.tell(trial, outcome.value, state=outcome.state)
 
     try:

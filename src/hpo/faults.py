@@ -7,6 +7,11 @@ HPO_FAULT_OOM_AT_STEP=K       the K-th optimizer step of each trial's training r
 HPO_FAULT_KILL_ABOVE_BATCH=N  any forward pass on a micro-batch larger than N kills its process
                               with SIGKILL, as the kernel's OOM killer does when the host's
                               memory runs out.
+HPO_FAULT_KILL_AT=POINT       the worker kills itself with SIGKILL (an eviction, the OOM killer)
+                              at POINT of its first trial: `claim` (holding the study lock,
+                              just after claiming), `heartbeat` (before the trial's first
+                              heartbeat), `train` (at the second optimizer step), `tell` (with
+                              the result, just before telling the study).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ if TYPE_CHECKING:
 OOM_ABOVE_BATCH = "HPO_FAULT_OOM_ABOVE_BATCH"
 OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
 KILL_ABOVE_BATCH = "HPO_FAULT_KILL_ABOVE_BATCH"
+KILL_AT = "HPO_FAULT_KILL_AT"
+KILL_POINTS = ("claim", "heartbeat", "train", "tell")
 
 
 def _int_env(name: str) -> int | None:
@@ -40,6 +47,17 @@ def check_environment() -> None:
     _int_env(OOM_ABOVE_BATCH)
     _int_env(OOM_AT_STEP)
     _int_env(KILL_ABOVE_BATCH)
+    point = os.environ.get(KILL_AT, "").strip()
+    if point and point not in KILL_POINTS:
+        raise FaultConfigError(f"{KILL_AT} must be one of {', '.join(KILL_POINTS)}, "
+                               f"got {point!r}")
+
+
+def kill_at(point: str) -> None:
+    """Die here, as a process the OOM killer or an eviction ends, if HPO_FAULT_KILL_AT says
+    so: no handler, no `finally`, no goodbye to the database."""
+    if os.environ.get(KILL_AT, "").strip() == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def install(model: torch.nn.Module) -> None:
@@ -67,7 +85,10 @@ def install(model: torch.nn.Module) -> None:
 
 
 def before_optimizer_step(step: int) -> None:
-    """Raise once at the configured optimizer step (1-based, counted per trial)."""
+    """Raise once at the configured optimizer step (1-based, counted per trial); die at the
+    second with HPO_FAULT_KILL_AT=train."""
+    if step == 2:
+        kill_at("train")
     if step == _int_env(OOM_AT_STEP):
         import torch
 

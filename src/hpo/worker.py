@@ -19,7 +19,7 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import budget, hardware, isolation
+from hpo import budget, faults, hardware, isolation
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
 from hpo.errors import Terminated, one_line
@@ -261,6 +261,7 @@ def _run_claimed(
         retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
         if retried is not None:
             trial.set_user_attr("retry_of", retried)
+    faults.kill_at("heartbeat")
     with heartbeat(storage, trial):
         return run_trial(study, trial)
 
@@ -322,6 +323,8 @@ def run_worker(
                 reporter.message(f"timeout of {timeout:g}s reached")
                 break
             trial = _ask(study) if budget.may_claim(counts, n_trials) else None
+            if trial is not None:
+                faults.kill_at("claim")
             lost = trial is not None and not budget.lock_held(connection)
         if lost and not _claim_stands(study, storage, study_id, trial, n_trials, reporter):
             continue
