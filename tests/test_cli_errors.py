@@ -142,9 +142,12 @@ def test_emulated_precision_is_refused(study_file, precision):
     check_bad_input(result, f"{precision} is not native on cpu")
 
 
-def test_malformed_fault_variable(study_file):
+@pytest.mark.parametrize("name, value", [("HPO_FAULT_OOM_AT_STEP", "two"),
+                                         ("HPO_FAULT_KILL_ABOVE_BATCH", "8x"),
+                                         ("HPO_FAULT_KILL_AT", "lunch")])
+def test_malformed_fault_variable(study_file, name, value):
     check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", "1",
-                        env={"HPO_FAULT_OOM_AT_STEP": "two"}), "HPO_FAULT_OOM_AT_STEP")
+                        env={name: value}), name)
 
 
 NO_TORCH = """
