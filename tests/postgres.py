@@ -122,8 +122,9 @@ class PrivateServer:
     ``destroy()`` so a failed run can be diagnosed.
     """
 
-    def __init__(self, base_dir: Path | str) -> None:
+    def __init__(self, base_dir: Path | str, max_connections: int = 200) -> None:
         self.base_dir = Path(base_dir)
+        self.max_connections = max_connections
         self.root: Path | None = None
         self.port: int | None = None
 
@@ -183,7 +184,7 @@ class PrivateServer:
     def _pg_ctl_start(self) -> None:
         options = (
             f"-p {self.port} -k {shlex.quote(str(self.root))} -c listen_addresses=127.0.0.1"
-            " -c fsync=off -c max_connections=200"
+            f" -c fsync=off -c max_connections={self.max_connections}"
         )
         where = ["-D", str(self.data_dir), "-l", str(self.log_file)]
         self._run("pg_ctl", "start", "-w", "-t", "30", *where, "-o", options)

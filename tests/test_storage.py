@@ -178,3 +178,44 @@ def test_every_storage_call_optuna_makes_is_retried_through_an_outage(tmp_path):
 def _report_and_prune(trial: optuna.Trial) -> bool:
     trial.report(0.2, 1)
     return trial.should_prune()
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_a_worker_holds_one_server_connection_between_trials(pg_url):
+    from postgres import open_connections
+
+    from hpo import budget
+
+    opened = storage.open_storage(pg_url, heartbeat_interval=30, grace_period=120)
+    study = optuna.create_study(study_name="one", storage=opened)
+    with budget.study_lock(opened.engine, "one") as connection:
+        budget.count_in_database(connection, opened.get_study_id_from_name("one"))
+        trial = study.ask()  # a second connection, while the lock holds the first
+    opened.record_heartbeat(trial._trial_id)
+    study.tell(trial, 0.5)
+    assert len(open_connections(pg_url, wait=0)) == 1
+    opened.engine.dispose()
+
+
+def test_a_server_without_a_free_connection_is_named_as_the_cause_with_what_to_set(tmp_path):
+    from postgres import PrivateServer
+
+    server = PrivateServer(tmp_path, max_connections=6)
+    server.start()
+    engine = sqlalchemy.create_engine(server.url, poolclass=sqlalchemy.pool.NullPool)
+    held = []
+    try:
+        with pytest.raises(sqlalchemy.exc.OperationalError):
+            while True:
+                held.append(engine.connect())
+        with pytest.raises(StorageError) as refused:
+            storage.open_storage(server.url, start_seconds=1)
+        message = str(refused.value)
+        assert "too many clients" in message
+        assert "raise the server's max_connections to 1.5 x workers + 10" in message
+        assert "An exception is raised during the commit" not in message
+    finally:
+        for connection in held:
+            connection.close()
+        engine.dispose()
+        server.destroy()

@@ -250,7 +250,10 @@ def open_storage(
     engine_kwargs: dict[str, Any] = {}
     backend = parsed.get_backend_name()
     if backend != "sqlite":
-        engine_kwargs = {"pool_pre_ping": True, "pool_size": 2, "max_overflow": 4,
+        # One connection kept between trials, so a fleet of N workers holds about N of the
+        # server's max_connections; up to two more while claiming (the study lock has its
+        # own) or while a trial's heartbeat overlaps a write, closed when returned.
+        engine_kwargs = {"pool_pre_ping": True, "pool_size": 1, "max_overflow": 2,
                          "pool_recycle": 1800}
         if backend == "postgresql":
             # TCP keepalives: a worker learns of a server that vanished (a partition, a
@@ -280,11 +283,35 @@ def open_storage(
             reachable_later = is_connection_error(exc) or racing
             if not reachable_later or time.monotonic() >= deadline:
                 waited = f" after {attempt} attempts" if attempt > 1 else ""
+                detail = _scrub(_cause(exc), _password(url), parsed.password)
                 raise StorageError(
-                    f"storage {safe} cannot be opened{waited}: "
-                    f"{_scrub(str(exc), _password(url), parsed.password)}"
+                    f"storage {safe} cannot be opened{waited}: {detail}{_advice(detail)}"
                 ) from None
         time.sleep(min(2.0, 0.2 * attempt) * random.uniform(0.5, 1.5))
+
+
+def _cause(exc: BaseException) -> str:
+    """The database's own words: Optuna wraps a failed commit in "An exception is raised
+    during the commit", which hides why (a full server, a refused login)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, sa_exc.DBAPIError) and seen.orig is not None:
+            return str(seen.orig)
+        seen = seen.__cause__ or seen.__context__
+    return str(exc)
+
+
+# PostgreSQL's words when every connection its max_connections allows is taken.
+_FULL = ("too many clients", "remaining connection slots are reserved")
+
+
+def _advice(detail: str) -> str:
+    if not any(words in detail for words in _FULL):
+        return ""
+    return ("; every connection the server allows is taken: each worker holds one between "
+            "trials and up to three while it claims one, and a fleet starting at once about "
+            "1.3 per worker; raise the server's max_connections to 1.5 x workers + 10, or run "
+            "fewer workers")
 
 
 def _scrub(message: str, *passwords: str | None) -> str:
