@@ -251,9 +251,10 @@ def open_storage(
     backend = parsed.get_backend_name()
     if backend != "sqlite":
         # One connection kept between trials, so a fleet of N workers holds about N of the
-        # server's max_connections; up to two more while claiming (the study lock has its
-        # own) or while a trial's heartbeat overlaps a write, closed when returned.
-        engine_kwargs = {"pool_pre_ping": True, "pool_size": 1, "max_overflow": 2,
+        # server's max_connections; more while claiming (the study lock has its own) or while
+        # a trial's heartbeat overlaps a write, each closed when returned. The overflow is
+        # generous because a pool that runs dry waits 30 s and then fails the call.
+        engine_kwargs = {"pool_pre_ping": True, "pool_size": 1, "max_overflow": 4,
                          "pool_recycle": 1800}
         if backend == "postgresql":
             # TCP keepalives: a worker learns of a server that vanished (a partition, a
@@ -309,8 +310,8 @@ def _advice(detail: str) -> str:
     if not any(words in detail for words in _FULL):
         return ""
     return ("; every connection the server allows is taken: each worker holds one between "
-            "trials and up to three while it claims one, and a fleet starting at once about "
-            "1.3 per worker; raise the server's max_connections to 1.5 x workers + 10, or run "
+            "trials and up to three while it claims one, and a fleet starting at once up to "
+            "1.5 per worker; raise the server's max_connections to 1.5 x workers + 10, or run "
             "fewer workers")
 
 
