@@ -139,6 +139,24 @@ def tiny_model_b(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def replica(tmp_path_factory):
+    """A tiny offline replica of a model family of the shipped studies, by family name
+    (scripts/make_tiny_model.py FAMILIES), with the files its hub repository ships."""
+    make = _load_script("make_tiny_model")
+    texts = make.read_posts(DEMO_DATA)
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp("replicas") / f"tiny-{family}"
+            built[family] = make.make_replica(family, texts, out, vocab_size=600, hidden=32,
+                                              layers=2, heads=2)
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> Path:
     """The first 80 demo posts and their annotations, in ReDSM5 format."""
     out = tmp_path_factory.mktemp("data")

@@ -72,3 +72,23 @@ def test_suggest_samples_inside_the_pinned_space():
         assert set(trial.params) == {"model_name", "fp_precision", "target_effective_batch_size",
                                      "learning_rate", "weight_decay"}
         study.tell(trial, 0.0)
+
+
+def test_a_study_created_without_a_device_leaves_auto_to_its_first_worker():
+    # `hpo create` on a host without the fleet's GPU ("once, anywhere").
+    study = optuna.create_study(study_name="s")
+    assert pin(study, space(), None).fp_precision is None
+    assert study.user_attrs[PIN_ATTR]["fp_precision"] is None
+    assert pin(study, space(), None).fp_precision is None  # created again: still open
+    assert pin(study, space(), A100).fp_precision == ("fp16", "bf16", "none")  # first worker
+    assert pin(study, space(), H100).fp_precision == ("fp16", "bf16", "none")
+    with pytest.raises(SpaceError, match="bf16 only by emulation"):
+        pin(study, space(), T4)
+
+
+def test_an_explicit_list_pinned_without_a_device_is_checked_by_each_worker():
+    study = optuna.create_study(study_name="s")
+    assert pin(study, space(fp_precision=["bf16"]), None).fp_precision == ("bf16",)
+    assert pin(study, space(fp_precision=["bf16"]), A100).fp_precision == ("bf16",)
+    with pytest.raises(SpaceError, match="bf16 is not native on cuda \\(Tesla T4"):
+        pin(study, space(fp_precision=["bf16"]), T4)

@@ -7,10 +7,12 @@ import sys
 
 import optuna
 import pytest
+import yaml
 from conftest import REPO, start_worker
 
 from hpo import memory
 from hpo.cli import main
+from hpo.hardware import detect, native_precisions
 from hpo.memory import BatchLimit
 from hpo.study import StudyBatchCache
 
@@ -22,6 +24,24 @@ def test_create_is_idempotent_and_pins(tiny_study, any_storage, capsys):
     assert study.user_attrs["search_space"]["fp_precision"] == ["none"]
     assert len(study.trials) == 0
     assert "ready" in capsys.readouterr().out
+
+
+def test_auto_precision_is_resolved_by_the_first_worker_not_by_create(tiny_study, tmp_path,
+                                                                     capsys):
+
+    spec = yaml.safe_load(tiny_study.read_text())
+    spec["search_space"]["fp_precision"] = "auto"
+    tiny_study.write_text(yaml.safe_dump(spec))
+    storage = f"sqlite:///{tmp_path / 'auto.db'}"
+    assert main(["create", "--config", str(tiny_study), "--storage", storage]) == 0
+    assert "fp_precision auto (resolved by the first worker" in capsys.readouterr().out
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    assert study.user_attrs["search_space"]["fp_precision"] is None
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "1"]) == 0
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    native = native_precisions(detect("cpu"))
+    assert tuple(study.user_attrs["search_space"]["fp_precision"]) == native
 
 
 def test_many_workers_create_one_study_on_an_empty_database(tiny_study, pg_url):

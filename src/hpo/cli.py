@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     create = commands.add_parser("create", help="create the study and pin its search space")
     _study_options(create, required=True)
+    for command in (run, create):
+        command.add_argument("--skip-check", action="store_true",
+                             help="no step per model x precision before the search")
+
+    check = commands.add_parser(
+        "check", help="one real training step per model x precision of the study")
+    _study_options(check, required=True)
 
     status = commands.add_parser("status", help="trial counts, best trial, running trials")
     _study_options(status, required=True, overrides=False)
@@ -131,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     hardware.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     hardware.add_argument("--steps", type=_positive_int, default=3,
                           help="timed training steps per precision")
-    for command in (run, create, status, best, studies, delete, dashboard, hardware):
+    for command in (run, create, check, status, best, studies, delete, dashboard, hardware):
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return parser
 
@@ -168,10 +175,10 @@ class Prepared:
     storage: ResilientRDBStorage
 
 
-def prepare(args: argparse.Namespace) -> Prepared:
+def prepare(args: argparse.Namespace, *, runs_trials: bool = True) -> Prepared:
     """Everything checked before any compute: the study file, data, models, the device's
-    precisions, then the storage. What needs no torch is checked before torch is loaded, so
-    those mistakes are reported at once."""
+    precisions (on a host that runs trials), then the storage. What needs no torch is checked
+    before torch is loaded, so those mistakes are reported at once."""
     from hpo import faults
     from hpo.data.redsm5 import read_redsm5
     from hpo.data.splits import split_posts
@@ -190,7 +197,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
     models.quiet_transformers()
     models.check_loadable(config.search_space.model_name, data.max_length)
     device = hardware.detect(config.training.device)
-    space.declare(config.search_space, device)  # refuses emulated precisions before any I/O
+    if runs_trials:
+        space.declare(config.search_space, device)  # refuses emulated precisions before I/O
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage.storage_url(args.storage, config.study.storage)
     opened = storage.open_storage(
@@ -201,16 +209,55 @@ def prepare(args: argparse.Namespace) -> Prepared:
 
 
 def command_create(args: argparse.Namespace) -> int:
-    prepared = prepare(args)
+    prepared = prepare(args, runs_trials=False)
 
     from hpo import study
     from hpo.storage import redact
 
-    optuna_study, pinned = study.join(prepared.config, prepared.storage, prepared.device)
+    # "Once, anywhere": this host may have no GPU, so `auto` is left to the first worker.
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, None)
     print(f"study '{optuna_study.study_name}' ready on {redact(prepared.url)}; pinned "
-          f"fp_precision {', '.join(pinned.fp_precision)}; "
+          f"fp_precision {pinned.describe_precisions()}; "
           f"{study.finished_count(optuna_study)} finished trials")
+    if not args.skip_check:
+        _check(prepared, optuna_study, pinned, fresh=False)
     return EXIT_OK
+
+
+def command_check(args: argparse.Namespace) -> int:
+    prepared = prepare(args)
+
+    from hpo import study
+
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, prepared.device)
+    _check(prepared, optuna_study, pinned, fresh=True)
+    return EXIT_OK
+
+
+def _check(prepared: Prepared, optuna_study, pinned, *, fresh: bool) -> None:
+    """The study's check on this host's device, for the pinned precisions it runs natively;
+    `fresh` runs it even if a worker on this kind of device already has."""
+    from hpo import check
+    from hpo.hardware import native_precisions
+    from hpo.report import ConsoleReporter
+    from hpo.resources import load_resources
+    from hpo.space import PinnedSpace
+
+    device = prepared.device
+    native = native_precisions(device)
+    precisions = tuple(p for p in (pinned.fp_precision or native) if p in native)
+    if not precisions:
+        print(f"no pinned precision runs natively on {device.describe()}: nothing to check "
+              f"here")
+        return
+    here = PinnedSpace(pinned.declared, precisions)
+    resources = load_resources(prepared.config, here, device, prepared.splits)
+    if fresh:
+        optuna_study.set_user_attr(check.key(device), None)
+    verdicts = check.ensure(optuna_study, resources, precisions, ConsoleReporter())
+    usable = sum(v.usable for v in verdicts)
+    print(f"{usable} of {len(verdicts)} model x precision combinations usable on "
+          f"{device.describe()}; the study keeps the verdicts for this kind of device")
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -224,7 +271,7 @@ def command_run(args: argparse.Namespace) -> int:
         worker.work(
             prepared.config, prepared.splits, prepared.device, prepared.url, prepared.storage,
             n_trials=args.n_trials if args.n_trials is not None else math.inf,
-            timeout=args.timeout,
+            timeout=args.timeout, run_check=not args.skip_check,
         )
     except worker.WorkerStopped as exc:
         print(f"hpo: worker stopped: {exc}", file=sys.stderr)
@@ -390,6 +437,7 @@ def command_hardware(args: argparse.Namespace) -> int:
 COMMANDS = {
     "run": command_run,
     "create": command_create,
+    "check": command_check,
     "status": command_status,
     "best": command_best,
     "studies": command_studies,

@@ -9,6 +9,10 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (`docker stop`, Kubernetes evicting a pod): the worker stops as on Ctrl-C."""
 
 
+class CheckError(ValueError):
+    """`hpo check` found no model x precision of the study usable on this device."""
+
+
 class ConfigError(ValueError):
     """Bad input in a study file or an override."""
 
@@ -25,7 +29,7 @@ class DataError(ValueError):
 
 
 class FaultConfigError(ValueError):
-    """A fault-injection variable that is not an integer."""
+    """A malformed fault-injection variable."""
 
 
 class ModelError(ValueError):
@@ -40,7 +44,8 @@ class StorageError(ValueError):
     """A storage that cannot be opened; the message carries no password."""
 
 
-BAD_INPUT = (ConfigError, DataError, FaultConfigError, ModelError, SpaceError, StorageError)
+BAD_INPUT = (CheckError, ConfigError, DataError, FaultConfigError, ModelError, SpaceError,
+             StorageError)
 
 
 def one_line(exc: BaseException) -> str:

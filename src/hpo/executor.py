@@ -22,11 +22,11 @@ import psutil
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import faults, memory, metrics
+from hpo import check, faults, memory, metrics
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.errors import one_line
-from hpo.hardware import Device, library_versions
+from hpo.hardware import Device, fused_adamw, library_versions
 from hpo.resources import Resources
 from hpo.space import Params, suggest
 from hpo.study import StudyBatchCache, carry_over
@@ -137,6 +137,8 @@ def execute(
                                                                  reporter))
     except optuna.TrialPruned:
         outcome = Outcome(TrialState.PRUNED, prune_reason="pruner")
+    except check.Unusable as exc:
+        outcome = Outcome(TrialState.PRUNED, prune_reason="unusable", error=str(exc))
     except NonFiniteLoss as exc:
         outcome = Outcome(TrialState.PRUNED, prune_reason="nan_loss", error=str(exc))
     except Reaped as exc:
@@ -188,6 +190,9 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
     settings are recorded on the trial."""
     config, device = resources.config, resources.device
     params = suggest(trial, resources.pinned)
+    why = check.unusable(trial.study, device, params.model_name, params.fp_precision)
+    if why is not None:
+        raise check.Unusable(f"{params.model_name} {params.fp_precision}: {why} (hpo check)")
     training = config.training.model_copy(update=params.extras)
     began = time.perf_counter()
     train_data, validation_data, source = resources.encoded(params.model_name)
@@ -240,6 +245,11 @@ def train_trial(
     model = resources.models.build(
         planned.params.model_name, planned.train_data.labels.shape[1], seed=planned.training.seed
     )
+    # What the model and optimizer got, which the family and the device decide: transformers
+    # keeps the attention in a private config field (models.py reads it too); the family
+    # tests fail if it moves.
+    trial.set_user_attr("attention_implementation", model.config._attn_implementation)
+    trial.set_user_attr("fused_adamw", fused_adamw(device.type))
     model = prepare(model, plan, device)
     gold = resources.gold()
     objective = resources.config.study.objective

@@ -7,6 +7,10 @@ HPO_FAULT_OOM_AT_STEP=K       the K-th optimizer step of each trial's training r
 HPO_FAULT_KILL_ABOVE_BATCH=N  any forward pass on a micro-batch larger than N kills its process
                               with SIGKILL, as the kernel's OOM killer does when the host's
                               memory runs out.
+HPO_FAULT_NAN_LOSS=MODEL|PRECISION
+                              the model whose name ends with MODEL, run in PRECISION (fp16,
+                              bf16, none), predicts NaN: its loss is not finite, as DeBERTa's
+                              can be in fp16.
 HPO_FAULT_KILL_AT=POINT       the worker kills itself with SIGKILL (an eviction, the OOM killer)
                               at POINT of its first trial: `claim` (holding the study lock,
                               just after claiming), `heartbeat` (before the trial's first
@@ -29,6 +33,7 @@ OOM_ABOVE_BATCH = "HPO_FAULT_OOM_ABOVE_BATCH"
 OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
 KILL_ABOVE_BATCH = "HPO_FAULT_KILL_ABOVE_BATCH"
 KILL_AT = "HPO_FAULT_KILL_AT"
+NAN_LOSS = "HPO_FAULT_NAN_LOSS"
 KILL_POINTS = ("claim", "heartbeat", "train", "tell")
 
 
@@ -47,6 +52,11 @@ def check_environment() -> None:
     _int_env(OOM_ABOVE_BATCH)
     _int_env(OOM_AT_STEP)
     _int_env(KILL_ABOVE_BATCH)
+    nan_loss = os.environ.get(NAN_LOSS, "").strip()
+    if nan_loss and (nan_loss.count("|") != 1 or nan_loss.rsplit("|", 1)[1] not in
+                     ("fp16", "bf16", "none")):
+        raise FaultConfigError(f"{NAN_LOSS} must be MODEL|PRECISION (fp16, bf16 or none), "
+                               f"got {nan_loss!r}")
     point = os.environ.get(KILL_AT, "").strip()
     if point and point not in KILL_POINTS:
         raise FaultConfigError(f"{KILL_AT} must be one of {', '.join(KILL_POINTS)}, "
@@ -62,10 +72,20 @@ def kill_at(point: str) -> None:
 
 def install(model: torch.nn.Module) -> None:
     """Make `model` fail like a GPU of limited memory when HPO_FAULT_OOM_ABOVE_BATCH is set,
-    or die like a process the OOM killer chose when HPO_FAULT_KILL_ABOVE_BATCH is."""
+    die like a process the OOM killer chose when HPO_FAULT_KILL_ABOVE_BATCH is, or predict
+    NaN when HPO_FAULT_NAN_LOSS names it."""
     limit, kill_above = _int_env(OOM_ABOVE_BATCH), _int_env(KILL_ABOVE_BATCH)
-    if limit is None and kill_above is None:
-        return
+    if limit is not None or kill_above is not None:
+        _install_batch_faults(model, limit, kill_above)
+    nan_loss = os.environ.get(NAN_LOSS, "").strip()
+    if nan_loss:
+        name, precision = nan_loss.rsplit("|", 1)
+        if str(model.config.name_or_path).endswith(name):
+            _install_nan(model, precision)
+
+
+def _install_batch_faults(model: torch.nn.Module, limit: int | None,
+                          kill_above: int | None) -> None:
     # torch is imported where faults fire, so the CLI checks the variables before loading it.
     import torch
 
@@ -82,6 +102,22 @@ def install(model: torch.nn.Module) -> None:
             )
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _install_nan(model: torch.nn.Module, precision: str) -> None:
+    import torch
+
+    dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+    def hook(module: torch.nn.Module, _args: tuple, output):
+        device = next(module.parameters()).device.type
+        running = (dtypes.get(torch.get_autocast_dtype(device), "none")
+                   if torch.is_autocast_enabled(device) else "none")
+        if running == precision:
+            output.logits = output.logits * float("nan")
+        return output
+
+    model.register_forward_hook(hook)
 
 
 def before_optimizer_step(step: int) -> None:

@@ -6,6 +6,7 @@ tests can hand in a T4, an A100 or an H100 without owning one.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass, field
@@ -139,6 +140,20 @@ def configure_backends(device: Device) -> None:
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
+
+
+@functools.cache
+def fused_adamw(device_type: str) -> bool:
+    """Whether torch has fused AdamW kernels for this kind of device (CUDA, and CPUs since
+    torch 2.4; not every backend). Asked by one real step on a one-element parameter: torch
+    checks the device only when a step first meets a parameter, and names no public list."""
+    parameter = torch.nn.Parameter(torch.zeros(1, device=device_type))
+    parameter.grad = torch.zeros_like(parameter)
+    try:
+        torch.optim.AdamW([parameter], fused=True).step()
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 import socket
@@ -107,7 +108,13 @@ def check_loadable(names: list[str], max_length: int) -> None:
         try:
             AutoConfig.from_pretrained(source)
             tokenizer = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            missing = missing_tokenizer_packages(source)
+            if missing:
+                raise ModelError(
+                    f"model '{name}' cannot be loaded: its tokenizer ships as a SentencePiece "
+                    f"model without tokenizer.json, and reading it needs {' and '.join(missing)}"
+                    f" (pip install {' '.join(missing)})") from None
             offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelError(f"model '{name}' cannot be loaded{offline}: {reason}") from None
@@ -116,6 +123,31 @@ def check_loadable(names: list[str], max_length: int) -> None:
                 f"data.max_length {max_length} exceeds model '{name}', which reads at most "
                 f"{tokenizer.model_max_length} tokens"
             )
+
+
+# What transformers needs to convert a SentencePiece tokenizer (DeBERTa-v3's spm.model) that
+# ships without tokenizer.json; without them it tries tiktoken and says so, which misleads.
+_SENTENCEPIECE_NEEDS = {"sentencepiece": "sentencepiece", "google.protobuf": "protobuf"}
+
+
+def missing_tokenizer_packages(source: str) -> list[str]:
+    """The packages, missing here, that reading `source`'s tokenizer needs."""
+    def has(file: str) -> bool:
+        if Path(source).is_dir():
+            return (Path(source) / file).is_file()
+        return isinstance(huggingface_hub.try_to_load_from_cache(source, file), str)
+
+    if has("tokenizer.json") or not has("spm.model"):
+        return []
+    missing = []
+    for module, package in _SENTENCEPIECE_NEEDS.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a missing parent package ("google")
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
 
 
 @dataclass(frozen=True)

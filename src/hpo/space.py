@@ -28,14 +28,23 @@ class Params:
 @dataclass(frozen=True)
 class PinnedSpace:
     declared: dict[str, Any]  # the search_space section as the study file states it
-    fp_precision: tuple[str, ...]  # what `declared` resolved to on the creating device
+    # What `declared` resolved to on the first device that ran trials; None until one has,
+    # for `auto` in a study created on a host that runs none (`hpo create`, "anywhere").
+    fp_precision: tuple[str, ...] | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"declared": self.declared, "fp_precision": list(self.fp_precision)}
+        precisions = None if self.fp_precision is None else list(self.fp_precision)
+        return {"declared": self.declared, "fp_precision": precisions}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PinnedSpace:
-        return cls(declared=data["declared"], fp_precision=tuple(data["fp_precision"]))
+        precisions = data["fp_precision"]
+        return cls(data["declared"], None if precisions is None else tuple(precisions))
+
+    def describe_precisions(self) -> str:
+        if self.fp_precision is None:
+            return "auto (resolved by the first worker that runs trials, on its device)"
+        return ", ".join(self.fp_precision)
 
 
 def resolve_precisions(declared: str | list[str], device: Device) -> tuple[str, ...]:
@@ -53,13 +62,19 @@ def resolve_precisions(declared: str | list[str], device: Device) -> tuple[str, 
     return tuple(declared)
 
 
-def declare(space: SearchSpace, device: Device) -> PinnedSpace:
+def declare(space: SearchSpace, device: Device | None) -> PinnedSpace:
+    """The space as `device` would search it; with no device (a host that creates the study
+    but runs no trial), `auto` stays unresolved and an explicit list unchecked."""
     declared = space.model_dump(mode="json", exclude_none=True)
+    if device is None:
+        explicit = space.fp_precision != "auto"
+        return PinnedSpace(declared, tuple(space.fp_precision) if explicit else None)
     return PinnedSpace(declared, resolve_precisions(space.fp_precision, device))
 
 
-def pin(study: optuna.Study, space: SearchSpace, device: Device) -> PinnedSpace:
-    """The space this worker searches: the study's pinned one, pinned now if it is new.
+def pin(study: optuna.Study, space: SearchSpace, device: Device | None) -> PinnedSpace:
+    """The space this worker searches: the study's pinned one, pinned now if it is new, its
+    precisions resolved now if no worker has run trials yet (`device` None: pin without).
 
     A worker refuses to join when its study file describes another space, or when its device
     cannot run natively a precision the study already searches.
@@ -70,6 +85,9 @@ def pin(study: optuna.Study, space: SearchSpace, device: Device) -> PinnedSpace:
         study.set_user_attr(PIN_ATTR, mine.to_json())
         return mine
     pinned = PinnedSpace.from_json(stored)
+    if pinned.fp_precision is None and pinned.declared == mine.declared and device is not None:
+        study.set_user_attr(PIN_ATTR, mine.to_json())
+        return mine
     if pinned.declared != mine.declared:
         key = _first_difference(pinned.declared, mine.declared)
         raise SpaceError(
@@ -78,6 +96,8 @@ def pin(study: optuna.Study, space: SearchSpace, device: Device) -> PinnedSpace:
             f"this file {json.dumps(mine.declared.get(key))}); to start over, delete it "
             f"(hpo delete --study NAME or --config FILE) or give this file another study.name"
         )
+    if device is None or pinned.fp_precision is None:
+        return pinned
     native = native_precisions(device)
     missing = [p for p in pinned.fp_precision if p not in native]
     if missing:

@@ -49,10 +49,11 @@ def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
 
 
 def join(
-    config: StudyConfig, storage: ResilientRDBStorage, device: Device
+    config: StudyConfig, storage: ResilientRDBStorage, device: Device | None
 ) -> tuple[optuna.Study, PinnedSpace]:
-    """Create the study or load it, and the space this worker may search in it. Under the
-    study lock, so that of many workers starting at once exactly one pins the space."""
+    """Create the study or load it, and the space this worker may search in it (`device`
+    None: a host that runs no trial, which leaves `auto` to the first worker that does).
+    Under the study lock, so that of many workers starting at once exactly one pins it."""
     with budget.study_lock(storage.engine, config.study.name):
         study = optuna.create_study(
             storage=storage,

@@ -18,7 +18,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from hpo import faults
 from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
-from hpo.hardware import Device, autocast_dtype, loader_settings
+from hpo.hardware import Device, autocast_dtype, fused_adamw, loader_settings
 
 
 class NonFiniteLoss(RuntimeError):
@@ -105,8 +105,10 @@ def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.
         {"params": decay, "weight_decay": plan.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # Fused kernels exist for both devices hpo trains on: CUDA, and CPUs since torch 2.4.
-    return torch.optim.AdamW(groups, lr=plan.learning_rate, fused=True)
+    # Fused kernels, one launch per step for every parameter, where torch has them for the
+    # device; its default (foreach, else a loop over parameters) where it has not.
+    fused = fused_adamw(device.type) or None
+    return torch.optim.AdamW(groups, lr=plan.learning_rate, fused=fused)
 
 
 def balanced_pos_weight(labels: torch.Tensor) -> torch.Tensor:
@@ -146,9 +148,10 @@ def optimizer_step(
 
 def probe_step(
     model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int, vocab: int
-) -> None:
+) -> float:
     """One full training step (forward, backward, optimizer step) on `batch` sequences of
-    `length` tokens: the memory a real step of that size needs, optimizer state included."""
+    `length` tokens: the memory a real step of that size needs, optimizer state included.
+    Returns the step's loss."""
     optimizer = make_optimizer(model, plan, device)
     scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
     generator = torch.Generator().manual_seed(0)
@@ -163,6 +166,7 @@ def probe_step(
     scaler.scale(loss).backward()
     optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
     _synchronize(device)
+    return float(loss.detach())
 
 
 def _synchronize(device: Device) -> None:

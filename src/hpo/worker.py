@@ -19,7 +19,7 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import budget, faults, hardware, isolation
+from hpo import budget, check, faults, hardware, isolation
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
 from hpo.errors import Terminated, one_line
@@ -78,9 +78,12 @@ def work(
     *,
     n_trials: float,
     timeout: float | None = None,
+    run_check: bool = True,
 ) -> None:
     """Set the worker up and run trials until the study holds `n_trials` finished ones (or
-    `timeout` passes); raises WorkerStopped after too many failures in a row."""
+    `timeout` passes); raises WorkerStopped after too many failures in a row. Unless told
+    not to, the study's model x precision check runs first if no worker on this kind of
+    device has run it."""
     hardware.configure_backends(device)
     study, pinned = join(config, storage, device)
     reporter = ConsoleReporter()
@@ -95,7 +98,7 @@ def work(
     goal = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"
     reporter.message(
         f"study '{config.study.name}' on {redact(url)}: {goal}; "
-        f"device {device.describe()}; fp_precision searched: {', '.join(pinned.fp_precision)}; "
+        f"device {device.describe()}; fp_precision searched: {pinned.describe_precisions()}; "
         f"data {len(splits.train)} train / {len(splits.validation)} validation posts, "
         f"task {data.task}, max_length {data.max_length}"
     )
@@ -114,6 +117,8 @@ def work(
             f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
             f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
         )
+    if run_check:
+        check.ensure(study, resources, pinned.fp_precision, reporter)
     objective = config.study.objective
     baseline = resources.baseline().get(objective)
     study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})

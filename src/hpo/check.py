@@ -1,0 +1,158 @@
+"""One real training step per model x precision before the search spends GPU hours.
+
+A combination whose model cannot be built, whose step raises or whose loss or predictions are
+not finite is unusable: the trials that sample it are pruned at once with
+`prune_reason=unusable`, without a batch search or training. The verdicts are kept in the study
+per device kind (its name and memory), so every other worker on the same kind of device skips
+the check and a worker on another kind checks its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import optuna
+import torch
+
+from hpo import memory
+from hpo.errors import CheckError, one_line
+from hpo.hardware import Device
+from hpo.resources import Resources
+from hpo.train import Plan, autocast, prepare, probe_step
+
+PREFIX = "check:"
+# Two sequences of max_length tokens: the step runs every kernel a trial's step runs, in
+# seconds, with memory to spare on any device that trains the model at all.
+BATCH = 2
+
+
+class Unusable(Exception):
+    """The trial sampled a combination the check found unusable on this kind of device."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    model: str
+    precision: str
+    usable: bool
+    why: str | None = None
+    step_seconds: float | None = None
+    peak_mib: float | None = None
+    attention: str | None = None
+
+
+def key(device: Device) -> str:
+    return PREFIX + device.cache_key
+
+
+def stored(study: optuna.Study, device: Device) -> list[Verdict] | None:
+    """The verdicts a worker on this kind of device stored, if any has."""
+    found = study.user_attrs.get(key(device))
+    return None if found is None else [Verdict(**v) for v in found]
+
+
+def unusable(study: optuna.Study, device: Device, model: str, precision: str) -> str | None:
+    """Why the combination is unusable on this kind of device; None if it is usable or was
+    not checked."""
+    for verdict in stored(study, device) or ():
+        if (verdict.model, verdict.precision) == (model, precision) and not verdict.usable:
+            return verdict.why
+    return None
+
+
+def check_all(resources: Resources, precisions: tuple[str, ...]) -> Iterator[Verdict]:
+    """A verdict per model of the space x precision, one real step each."""
+    for model in resources.pinned.declared["model_name"]:
+        for precision in precisions:
+            verdict = check_one(resources, model, precision)
+            memory.release_memory()  # the step's model and tensors are gone with check_one
+            yield verdict
+
+
+def check_one(resources: Resources, model_name: str, precision: str) -> Verdict:
+    config, device = resources.config, resources.device
+    training = config.training
+    plan = Plan(precision=precision, effective_batch=BATCH, physical_batch=BATCH,
+                eval_batch=BATCH, learning_rate=1e-5, weight_decay=0.0, warmup_ratio=0.0,
+                max_grad_norm=training.max_grad_norm, epochs=1, seed=training.seed,
+                gradient_checkpointing=training.gradient_checkpointing)
+    attention = None
+    try:
+        tokenizer = resources.models.tokenizer(model_name)
+        model = resources.models.build(model_name, len(resources.label_names),
+                                       seed=training.seed)
+        attention = model.config._attn_implementation  # private; see executor.train_trial
+        model = prepare(model, plan, device)
+        length = min(config.data.max_length, tokenizer.model_max_length)
+        probe = memory.device_memory_probe(device)
+        steps: list[tuple[float, float]] = []  # loss, seconds
+
+        def step(batch: int) -> None:
+            began = time.perf_counter()
+            loss = probe_step(model, plan, device, batch, length, model.config.vocab_size)
+            steps.append((loss, time.perf_counter() - began))
+
+        # A device too small for two sequences may still train one at a time.
+        if not (memory.fits(step, BATCH) or memory.fits(step, 1)):
+            raise torch.OutOfMemoryError("out of memory even at micro-batch 1")
+        loss, seconds = steps[-1]
+        peak = probe.peak() / 2**20 if probe is not None else None
+        why = None if math.isfinite(loss) else f"loss {loss} after one step"
+        if why is None:
+            why = _predictions_not_finite(model, plan, device, length)
+        verdict = Verdict(model_name, precision, why is None, why, round(seconds, 3),
+                          None if peak is None else round(peak, 1), attention)
+    except Exception as exc:
+        verdict = Verdict(model_name, precision, False, one_line(exc), attention=attention)
+    return verdict
+
+
+@torch.inference_mode()
+def _predictions_not_finite(model: torch.nn.Module, plan: Plan, device: Device,
+                            length: int) -> str | None:
+    model.eval()
+    inputs = {
+        "input_ids": torch.randint(0, model.config.vocab_size, (BATCH, length),
+                                   generator=torch.Generator().manual_seed(1)),
+        "attention_mask": torch.ones((BATCH, length), dtype=torch.long),
+    }
+    with autocast(device, plan.precision):
+        logits = model(**{k: v.to(device.torch_device) for k, v in inputs.items()}).logits
+    if bool(torch.isfinite(logits.float()).all()):
+        return None
+    return "predictions not finite after one step"
+
+
+def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...],
+           report) -> list[Verdict]:
+    """The study's verdicts for this kind of device, checked now if no worker has; raises
+    CheckError when nothing is usable."""
+    verdicts = stored(study, resources.device)
+    if verdicts is None:
+        report.message(f"checking {len(resources.pinned.declared['model_name'])} model(s) x "
+                       f"{len(precisions)} precision(s) on {resources.device.describe()}: one "
+                       f"step each (--skip-check skips)")
+        verdicts = list(check_all(resources, precisions))
+        study.set_user_attr(key(resources.device), [asdict(v) for v in verdicts])
+        report.message(table(verdicts))
+    if not any(v.usable for v in verdicts):
+        first = verdicts[0] if verdicts else None
+        why = f"; {first.model} {first.precision}: {first.why}" if first else ""
+        raise CheckError(f"no model x precision of study '{study.study_name}' is usable on "
+                         f"{resources.device.describe()}{why}")
+    return verdicts
+
+
+def table(verdicts: list[Verdict]) -> str:
+    rows = [("model", "precision", "s/step", "peak MiB", "attention", "result")]
+    for v in verdicts:
+        rows.append((v.model, v.precision,
+                     "-" if v.step_seconds is None else f"{v.step_seconds:.2f}",
+                     "-" if v.peak_mib is None else f"{v.peak_mib:.0f}", v.attention or "-",
+                     "ok" if v.usable else f"unusable: {v.why}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(row, widths, strict=False)),
+                                row[-1]]) for row in rows)

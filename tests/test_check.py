@@ -1,0 +1,111 @@
+"""`hpo check`: one real training step per model x precision before the search, kept in the
+study per kind of device; a combination found unusable is pruned without training, and a
+study with nothing usable stops at once. Real tiny models; the non-finite loss is injected
+(HPO_FAULT_NAN_LOSS)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import optuna
+import pytest
+from conftest import A100, REPO, T4
+from optuna.trial import TrialState
+
+from hpo import check
+from hpo.cli import main
+from hpo.hardware import detect
+
+
+@pytest.fixture
+def storage(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'hpo.db'}"
+
+
+def verdicts(storage: str) -> list[check.Verdict]:
+    return check.stored(optuna.load_study(study_name="tiny", storage=storage), detect("cpu"))
+
+
+def test_check_prints_a_table_and_keeps_the_verdicts_in_the_study(tiny_study, storage,
+                                                                   capsys):
+    assert main(["check", "--config", str(tiny_study), "--storage", storage]) == 0
+    out = capsys.readouterr().out
+    assert "model" in out and "s/step" in out and "attention" in out
+    kept = verdicts(storage)
+    assert {(v.model.rsplit("/", 1)[1], v.precision) for v in kept} == {
+        ("tiny-bert", "none"), ("tiny-bert-b", "none")}
+    for verdict in kept:
+        assert verdict.usable and verdict.why is None and verdict.step_seconds > 0
+        assert verdict.attention == "sdpa" and verdict.peak_mib is None  # a CPU reports none
+        assert re.search(rf"{re.escape(verdict.model)}\s+none\s+[\d.]+\s+-\s+sdpa\s+ok", out)
+    assert "2 of 2 model x precision combinations usable" in out
+
+
+def test_a_non_finite_loss_is_unusable_and_its_trials_are_pruned_without_training(
+        tiny_study, storage, monkeypatch, capsys):
+    monkeypatch.setenv("HPO_FAULT_NAN_LOSS", "tiny-bert-b|none")
+    assert main(["check", "--config", str(tiny_study), "--storage", storage]) == 0
+    assert "unusable: loss nan after one step" in capsys.readouterr().out
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "6"]) == 0
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    pruned = [t for t in trials if t.params["model_name"].endswith("tiny-bert-b")]
+    assert pruned, "no trial sampled the unusable model"
+    for trial in pruned:
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"] == "unusable"
+        assert "loss nan after one step (hpo check)" in trial.user_attrs["error"]
+        # Nothing was probed or trained for it.
+        assert "batch_probes" not in trial.user_attrs and not trial.intermediate_values
+    assert all(t.state == TrialState.COMPLETE for t in trials if t not in pruned)
+
+
+def test_run_checks_once_per_device_kind_and_skip_check_skips(tiny_study, storage, capsys):
+    assert main(["run", "--config", str(tiny_study), "--storage", storage, "--n-trials", "1",
+                 "--skip-check"]) == 0
+    assert verdicts(storage) is None
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "2"]) == 0
+    assert "checking 2 model(s) x 1 precision(s)" in capsys.readouterr().out
+    assert len(verdicts(storage)) == 2
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "3"]) == 0
+    assert "checking" not in capsys.readouterr().out  # kept for this kind of device
+
+
+def test_a_study_with_nothing_usable_stops_with_one_line(one_model_study, storage):
+    result = subprocess.run(
+        [sys.executable, "-m", "hpo.cli", "run", "--config", str(one_model_study),
+         "--storage", storage, "--n-trials", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HPO_FAULT_NAN_LOSS": "tiny-bert|none"},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("hpo: error")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "no model x precision of study 'tiny' is usable" in lines[0]
+    assert "loss nan after one step" in lines[0]
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert trials == []
+
+
+def test_verdicts_belong_to_a_kind_of_device():
+    study = optuna.create_study()
+    study.set_user_attr(check.key(A100), [
+        {"model": "m", "precision": "fp16", "usable": False, "why": "loss inf after one step"}])
+    assert check.unusable(study, A100, "m", "fp16") == "loss inf after one step"
+    assert check.unusable(study, A100, "m", "bf16") is None
+    assert check.stored(study, T4) is None and check.unusable(study, T4, "m", "fp16") is None
+
+
+def test_check_on_the_demo_study(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "hpo.cli", "check", "--study", "demo", "--storage",
+         f"sqlite:///{tmp_path / 'demo.db'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sentence-transformers/all-MiniLM-L6-v2" in result.stdout
+    assert "unusable" not in result.stdout
