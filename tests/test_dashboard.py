@@ -146,6 +146,7 @@ def test_every_write_of_the_storage_api_is_refused_and_every_read_is_not():
     from hpo.dashboard import ReadOnlyStorage
 
     reads = {"remove_session", "check_trial_is_updatable"}
+    assert ReadOnlyStorage.upgrade.__code__.co_name == "refuse"  # a schema migration
     for name, attribute in vars(BaseStorage).items():
         if name.startswith("_") or not callable(attribute):
             continue

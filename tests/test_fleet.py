@@ -83,10 +83,12 @@ def fleet():
 
 
 def finished(url: str) -> int:
+    """Finished trials; -1 while the database is down or the study not created yet, which
+    no wait below takes for progress."""
     try:
         study = optuna.load_study(study_name="tiny", storage=url)
-    except Exception:  # the database is down, or the study not created yet
-        return 0
+    except Exception:
+        return -1
     return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
 
 
@@ -143,6 +145,7 @@ def test_outages_shorter_and_longer_than_the_grace_period_lose_nothing(
     server.stop()
     time.sleep(2)  # shorter than the grace period (4 s)
     server.start_again()
+    wait_until(lambda: finished(url) >= 0, 60, "the database back")
     done = finished(url)
     wait_until(lambda: finished(url) > done, 120, "a trial after the short outage")
     server.stop()

@@ -95,8 +95,17 @@ def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     assert progress.train_seconds >= progress.step_seconds > 0
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_autocast_precisions_train_on_cpu(setup, tiny_model, precision):
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])
+def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
+        setup, tiny_model, precision, monkeypatch):
+    scalers = []
+
+    class Scaler(torch.amp.GradScaler):
+        def __init__(self, *args, enabled=True, **kwargs):
+            scalers.append(enabled)
+            super().__init__(*args, enabled=enabled, **kwargs)
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Scaler)
     store, tokenizer, data = setup
     device = detect("cpu")
     p = plan(precision=precision, epochs=1, effective_batch=20, physical_batch=20)
@@ -108,6 +117,7 @@ def test_autocast_precisions_train_on_cpu(setup, tiny_model, precision):
     probabilities = predict(model, data, 7, device, precision, tokenizer.pad_token_id)
     assert probabilities.shape == data.labels.shape
     assert torch.isfinite(probabilities).all()
+    assert scalers == [precision == "fp16"]
 
 
 def test_non_finite_loss_stops_training(setup, tiny_model):

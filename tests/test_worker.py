@@ -362,3 +362,36 @@ def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(tmp_path):
         for s in opened:
             s.engine.dispose()
         server.destroy()
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(tmp_path):
+    """A worker with no trial of its own meets the outage only in taking the study lock:
+    the lock's wait tells its contact too, so it does not reap the moment it gets the lock."""
+    import threading
+
+    from postgres import PrivateServer
+
+    server = PrivateServer(tmp_path)
+    server.start()
+    opened = []
+    try:
+        live, idle = (open_storage(server.url, heartbeat_interval=1, grace_period=3)
+                      for _ in range(2))
+        opened = [live, idle]
+        study = optuna.create_study(study_name="i", storage=live)
+        watched = optuna.load_study(study_name="i", storage=idle)
+        study_id = idle.get_study_id_from_name("i")
+        trial = study.ask()
+        live.record_heartbeat(trial._trial_id)  # its worker beats, then the outage stops it
+        time.sleep(3.5)
+        assert idle.trusts_heartbeats()
+        server.stop()
+        threading.Timer(6.0, server.start_again).start()
+        reap(watched, idle, study_id)  # meets the outage in waiting for the lock
+        assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
+        assert not idle.trusts_heartbeats()
+    finally:
+        for s in opened:
+            s.engine.dispose()
+        server.destroy()

@@ -229,7 +229,8 @@ def command_check(args: argparse.Namespace) -> int:
 
     from hpo import study
 
-    optuna_study, pinned = study.join(prepared.config, prepared.storage, prepared.device)
+    # Like create, this may run on a host other than the fleet's: `auto` stays open.
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, None)
     _check(prepared, optuna_study, pinned, fresh=True)
     return EXIT_OK
 

@@ -46,6 +46,7 @@ class ReadOnlyStorage(ResilientRDBStorage):
     """The storage with every write refused."""
 
 
-for _name in sorted(set(_writes(RDBStorage))):
+# `upgrade` migrates the schema; optuna-dashboard offers it for an old one.
+for _name in sorted({*_writes(RDBStorage), "upgrade"}):
     setattr(ReadOnlyStorage, _name, _refused(_name))
 

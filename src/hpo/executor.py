@@ -8,12 +8,14 @@ anything else fails that trial alone, with the error recorded on it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
@@ -67,21 +69,26 @@ class Reaped(Exception):
     """The trial was reaped while it ran and no waiting copy was left to carry its result."""
 
 
-def write_kept(trial: optuna.Trial, write: Callable[[], T]) -> T:
+Lock = Callable[[], AbstractContextManager[object]]
+
+
+def write_kept(trial: optuna.Trial, write: Callable[[], T],
+               lock: Lock = contextlib.nullcontext) -> T:
     """Run `write` on the trial; if the trial was reaped while it ran, carry it over to its
-    waiting copy (`study.carry_over`) and write there, else raise Reaped."""
-    try:
-        return write()
-    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
-        # ValueError: study.tell's "Cannot tell a FAIL trial"; the state says which it was.
-        if not trial.storage.get_trial(trial._trial_id).state.is_finished():
-            raise
+    waiting copy (`study.carry_over`, under the study `lock`) and write there, else raise
+    Reaped. The copy can be reaped in turn (a long outage again): a few times over."""
     number = trial.number
-    if carry_over(trial.study, trial) is None:
-        raise Reaped(f"trial {number} was reaped while it ran (its heartbeats were lost) and "
-                     f"its retry was already claimed by another worker: this run's result is "
-                     f"dropped")
-    return write()
+    for _ in range(3):
+        try:
+            return write()
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            # ValueError: study.tell's "Cannot tell a FAIL trial"; the state says which.
+            if not trial.storage.get_trial(trial._trial_id).state.is_finished():
+                raise
+        if carry_over(trial.study, trial, lock) is None:
+            break
+    raise Reaped(f"trial {number} was reaped while it ran (its heartbeats were lost) and its "
+                 f"retry was already claimed by another worker: this run's result is dropped")
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ def execute(
         reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
         watch(planned.batch_key, planned.plan.physical_batch)
         outcome = Outcome(TrialState.COMPLETE, value=train_trial(trial, planned, resources,
-                                                                 reporter))
+                                                                 reporter, cache.lock))
     except optuna.TrialPruned:
         outcome = Outcome(TrialState.PRUNED, prune_reason="pruner")
     except check.Unusable as exc:
@@ -176,7 +183,7 @@ def execute(
         return study.tell(trial, outcome.value, state=outcome.state)
 
     try:
-        finished = write_kept(trial, finish)
+        finished = write_kept(trial, finish, cache.lock)
     except Reaped as exc:
         return replace(outcome, dropped=str(exc)), trial.storage.get_trial(trial._trial_id)
     if trial.number != number:
@@ -236,7 +243,8 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
 
 
 def train_trial(
-    trial: optuna.Trial, planned: TrialPlan, resources: Resources, reporter: Reporter
+    trial: optuna.Trial, planned: TrialPlan, resources: Resources, reporter: Reporter,
+    lock: Lock = contextlib.nullcontext,
 ) -> float:
     """Train the planned trial, reporting each epoch's value for pruning; returns its value:
     the best or the last epoch's score (`study.objective_epoch`). The pruner sees the same
@@ -270,7 +278,7 @@ def train_trial(
 
     def on_epoch(epoch: int, score: float) -> None:
         reporter.epoch(trial.number, epoch, plan.epochs, score)
-        write_kept(trial, lambda: trial.report(value(), epoch))
+        write_kept(trial, lambda: trial.report(value(), epoch), lock)
         # After the last epoch the compute is spent: the result is kept, not pruned.
         if epoch < plan.epochs and trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
@@ -286,7 +294,8 @@ def train_trial(
         train(model, planned.train_data, plan, device, pad_id=planned.pad_id,
               evaluate=evaluate, on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
     finally:
-        write_kept(trial, lambda: _record_progress(trial, progress, scores, objective, rule))
+        write_kept(trial, lambda: _record_progress(trial, progress, scores, objective, rule),
+                   lock)
     return value()
 
 

@@ -73,7 +73,8 @@ def in_child(
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state != TrialState.RUNNING:
             return _outcome(frozen), frozen
-        outcome = _death(child.exitcode, attempt, shared_batch_cache(study, storage), trial)
+        cache = shared_batch_cache(study, storage)
+        outcome = _death(child.exitcode, attempt, cache, trial)
 
         def tell() -> FrozenTrial:
             if outcome.prune_reason:
@@ -82,7 +83,7 @@ def in_child(
             return study.tell(trial, state=outcome.state)
 
         try:
-            return outcome, write_kept(trial, tell)
+            return outcome, write_kept(trial, tell, cache.lock)
         except Reaped as exc:
             return replace(outcome, dropped=str(exc)), storage.get_trial(trial._trial_id)
 
@@ -104,14 +105,17 @@ class _Attempt:
 
     def read(self) -> tuple[str, int] | None:
         batch = self._batch.value
-        return (self._key.value.decode(), batch) if batch else None
+        return (self._key.value.decode(errors="ignore"), batch) if batch else None
 
 
 def _death(exitcode: int | None, attempt: _Attempt, cache: StudyBatchCache,
            trial: optuna.Trial) -> Outcome:
     """The outcome of a trial whose child died before telling the study."""
     if exitcode is not None and exitcode < 0:
-        how = f"killed by {signal.Signals(-exitcode).name}"
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:  # a real-time signal has no name
+            how = f"killed by signal {-exitcode}"
     else:
         how = f"exited with code {exitcode}"
     if exitcode != -signal.SIGKILL:
@@ -149,7 +153,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     from hpo import hardware, models
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
-    from hpo.storage import open_storage
+    from hpo.storage import OUTAGE_SECONDS, open_storage
     from hpo.study import make_pruner
     from hpo.worker import heartbeat
 
@@ -161,7 +165,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     # The child beats too: if its trial is reaped and carried over to its retry copy, only
     # the child knows the copy.
     storage = open_storage(payload["url"], heartbeat_interval=payload["heartbeat_interval"],
-                           grace_period=payload["grace_period"])
+                           grace_period=payload["grace_period"], start_seconds=OUTAGE_SECONDS)
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)

@@ -151,14 +151,7 @@ def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
 
         def attempt() -> Any:
             _retrying_here.attempts += 1
-            try:
-                result = method(self, *args, **kwargs)
-            except Exception as exc:
-                if is_connection_error(exc):
-                    self.contact.lost()
-                raise
-            self.contact.made()
-            return result
+            return method(self, *args, **kwargs)
 
         seconds = 0.0 if getattr(_retrying_here, "single", False) else self.outage_seconds
         try:
@@ -169,6 +162,12 @@ def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _note_error(contact: Contact, context: sqlalchemy.engine.ExceptionContext) -> None:
+    if context.is_disconnect or is_connection_error(
+            context.sqlalchemy_exception or context.original_exception):
+        contact.lost()
+
+
 class ResilientRDBStorage(RDBStorage):
     """RDBStorage whose calls wait out a database outage instead of failing the worker."""
 
@@ -177,6 +176,18 @@ class ResilientRDBStorage(RDBStorage):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.contact = Contact()
         super().__init__(*args, **kwargs)
+        # Every statement on the engine tells the contact, not only the retried storage calls:
+        # the study lock and the budget count query it directly, and an idle worker does
+        # nothing else. SQLAlchemy calls handle_error for failed connects too. The listeners
+        # hold the contact, not the storage: SQLAlchemy's event registry keeps them, and
+        # through the storage they would keep the engine and its connections alive.
+        contact = self.contact
+        sqlalchemy.event.listen(self.engine, "after_cursor_execute", lambda *_: contact.made())
+        # A local SQLite file cannot be cut off; its errors ("database is locked") are not
+        # lost contact.
+        if self.engine.dialect.name != "sqlite":
+            sqlalchemy.event.listen(self.engine, "handle_error",
+                                    lambda context: _note_error(contact, context))
 
     def trusts_heartbeats(self) -> bool:
         """True when this storage has been in unbroken contact for a grace period, so a

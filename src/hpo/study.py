@@ -88,30 +88,39 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
     return pinned
 
 
-def carry_over(study: optuna.Study, trial: optuna.Trial) -> int | None:
+def carry_over(study: optuna.Study, trial: optuna.Trial,
+               lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+               ) -> int | None:
     """For a trial that was reaped while it ran (its heartbeats lost, another worker took it
     for dead): claim the waiting copy the reaper queued, if no worker has claimed it yet,
     carry over what the trial recorded and point `trial` at the copy, so the run goes on and
     its result is kept. Returns the reaped trial's number, or None when there is no copy to
-    claim: the result then has nowhere to go."""
+    claim: the result then has nowhere to go. Under the study `lock`, which reapers hold from
+    failing a trial to queueing its copy and claimers hold while they claim."""
     number = trial.number
-    copies = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-              if t.system_attrs.get("retry_history", [None])[-1] == number]
     storage = trial.storage
-    for copy in copies:
-        # Atomic, as ask() claims a waiting trial: only one worker can win it.
-        if not storage.set_trial_state_values(copy._trial_id, state=TrialState.RUNNING):
-            continue
-        reaped = storage.get_trial(trial._trial_id)
-        for step, value in reaped.intermediate_values.items():
-            storage.set_trial_intermediate_value(copy._trial_id, step, value)
-        for key, value in {**reaped.user_attrs, "result_of": number}.items():
-            storage.set_trial_user_attr(copy._trial_id, key, value)
-        # The same object, now standing for the copy: the training loop, its callbacks and
-        # the heartbeat all hold it. Trial's public constructor, re-run in place.
-        optuna.trial.Trial.__init__(trial, study, copy._trial_id)
-        return number
-    return None
+    with lock():
+        copies = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                  if t.system_attrs.get("retry_history", [None])[-1] == number]
+        claimed = None
+        for copy in copies:
+            try:
+                if storage.set_trial_state_values(copy._trial_id, state=TrialState.RUNNING):
+                    claimed = copy
+                    break
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # claimed and finished by another worker meanwhile
+    if claimed is None:
+        return None
+    reaped = storage.get_trial(trial._trial_id)
+    for step, value in reaped.intermediate_values.items():
+        storage.set_trial_intermediate_value(claimed._trial_id, step, value)
+    for key, value in {**reaped.user_attrs, "result_of": number}.items():
+        storage.set_trial_user_attr(claimed._trial_id, key, value)
+    # The same object, now standing for the copy: the training loop, its callbacks and the
+    # heartbeat all hold it. Trial's public constructor, re-run in place.
+    optuna.trial.Trial.__init__(trial, study, claimed._trial_id)
+    return number
 
 
 def finished_count(study: optuna.Study) -> int:
@@ -127,7 +136,7 @@ class StudyBatchCache:
                  lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
                  ) -> None:
         self._study = study
-        self._lock = lock
+        self.lock = lock  # the study lock, which carry_over takes too
 
     def get(self, key: str) -> BatchLimit:
         stored = self._study.user_attrs.get(self.PREFIX + key)
@@ -136,7 +145,7 @@ class StudyBatchCache:
     def update(self, key: str, limit: BatchLimit) -> BatchLimit:
         # Read, merged and written under the study lock: another worker may be learning
         # something about the same key at the same moment.
-        with self._lock():
+        with self.lock():
             merged = self.get(key).merge(limit)
             self._study.set_user_attr(self.PREFIX + key, merged.to_json())
         return merged

@@ -178,7 +178,9 @@ def reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> No
     queue a copy of it (SQLite has no row lock; a retried write cannot tell whose it was),
     and a second waiting copy overshoots the budget."""
     with budget.study_lock(storage.engine, study.study_name):
-        _reap(study, storage, study_id)
+        # Taking the lock may have waited out an outage: judge only with contact unbroken.
+        if storage.trusts_heartbeats():
+            _reap(study, storage, study_id)
 
 
 def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
