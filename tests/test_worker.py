@@ -320,10 +320,10 @@ def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_oversh
     assert "trial 0 given back" in reporter.messages[0]
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(tmp_path):
-    """Every heartbeat stops while the database is down; a reaper that was cut off too waits
-    a grace period of unbroken contact, in which the live trial beats again, before judging."""
+@pytest.fixture
+def outage_pair(tmp_path):
+    """A private server that tests may stop, and two workers' storages on it (heartbeat 1 s,
+    grace 3 s) sharing a study: one whose trial runs, one that watches and reaps."""
     from postgres import PrivateServer
 
     server = PrivateServer(tmp_path)
@@ -335,29 +335,7 @@ def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(tmp_path):
         opened = [live, reaper]
         study = optuna.create_study(study_name="o", storage=live)
         watched = optuna.load_study(study_name="o", storage=reaper)
-        study_id = reaper.get_study_id_from_name("o")
-        trial = study.ask()
-        assert not reaper.trusts_heartbeats()  # just started: it cannot know yet
-        with heartbeat(live, trial):
-            time.sleep(3.5)
-            assert reaper.trusts_heartbeats()
-            server.stop()
-            with pytest.raises(optuna.exceptions.StorageInternalError), single_attempt():
-                reaper.get_all_studies()
-            assert not reaper.trusts_heartbeats()
-            time.sleep(6)  # twice the grace period without a heartbeat
-            server.start_again()
-            reaped_at = None
-            deadline = time.monotonic() + 8
-            while time.monotonic() < deadline:
-                watched.get_trials(deepcopy=False)  # the loop's polling, which regains contact
-                if reaped_at is None and reaper.trusts_heartbeats():
-                    reaped_at = time.monotonic()
-                if reaper.trusts_heartbeats():
-                    reap(watched, reaper, study_id)
-                time.sleep(0.5)
-            assert reaped_at is not None, "the reaper never trusted the heartbeats again"
-            assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
+        yield server, live, study, reaper, watched, reaper.get_study_id_from_name("o")
     finally:
         for s in opened:
             s.engine.dispose()
@@ -365,33 +343,47 @@ def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(tmp_path):
+def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(outage_pair):
+    """Every heartbeat stops while the database is down; a reaper that was cut off too waits
+    a grace period of unbroken contact, in which the live trial beats again, before judging."""
+    server, live, study, reaper, watched, study_id = outage_pair
+    trial = study.ask()
+    assert not reaper.trusts_heartbeats()  # just started: it cannot know yet
+    with heartbeat(live, trial):
+        time.sleep(3.5)
+        assert reaper.trusts_heartbeats()
+        server.stop()
+        with pytest.raises(optuna.exceptions.StorageInternalError), single_attempt():
+            reaper.get_all_studies()
+        assert not reaper.trusts_heartbeats()
+        time.sleep(6)  # twice the grace period without a heartbeat
+        server.start_again()
+        reaped_at = None
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            watched.get_trials(deepcopy=False)  # the loop's polling, which regains contact
+            if reaped_at is None and reaper.trusts_heartbeats():
+                reaped_at = time.monotonic()
+            if reaper.trusts_heartbeats():
+                reap(watched, reaper, study_id)
+            time.sleep(0.5)
+        assert reaped_at is not None, "the reaper never trusted the heartbeats again"
+        assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(outage_pair):
     """A worker with no trial of its own meets the outage only in taking the study lock:
     the lock's wait tells its contact too, so it does not reap the moment it gets the lock."""
     import threading
 
-    from postgres import PrivateServer
-
-    server = PrivateServer(tmp_path)
-    server.start()
-    opened = []
-    try:
-        live, idle = (open_storage(server.url, heartbeat_interval=1, grace_period=3)
-                      for _ in range(2))
-        opened = [live, idle]
-        study = optuna.create_study(study_name="i", storage=live)
-        watched = optuna.load_study(study_name="i", storage=idle)
-        study_id = idle.get_study_id_from_name("i")
-        trial = study.ask()
-        live.record_heartbeat(trial._trial_id)  # its worker beats, then the outage stops it
-        time.sleep(3.5)
-        assert idle.trusts_heartbeats()
-        server.stop()
-        threading.Timer(6.0, server.start_again).start()
-        reap(watched, idle, study_id)  # meets the outage in waiting for the lock
-        assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
-        assert not idle.trusts_heartbeats()
-    finally:
-        for s in opened:
-            s.engine.dispose()
-        server.destroy()
+    server, live, study, idle, watched, study_id = outage_pair
+    trial = study.ask()
+    live.record_heartbeat(trial._trial_id)  # its worker beats, then the outage stops it
+    time.sleep(3.5)
+    assert idle.trusts_heartbeats()
+    server.stop()
+    threading.Timer(6.0, server.start_again).start()
+    reap(watched, idle, study_id)  # meets the outage in waiting for the lock
+    assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
+    assert not idle.trusts_heartbeats()
