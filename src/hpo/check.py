@@ -20,6 +20,7 @@ import torch
 from hpo import memory
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device
+from hpo.report import ConsoleReporter
 from hpo.resources import Resources
 from hpo.train import Plan, autocast, prepare, probe_step
 
@@ -127,7 +128,7 @@ def _predictions_not_finite(model: torch.nn.Module, plan: Plan, device: Device,
 
 
 def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...],
-           report) -> list[Verdict]:
+           report: ConsoleReporter) -> list[Verdict]:
     """The study's verdicts for this kind of device, checked now if no worker has; raises
     CheckError when nothing is usable."""
     verdicts = stored(study, resources.device)

@@ -109,7 +109,7 @@ def check_loadable(names: list[str], max_length: int) -> None:
             AutoConfig.from_pretrained(source)
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError, KeyError, ImportError) as exc:
-            missing = missing_tokenizer_packages(source)
+            missing = _missing_tokenizer_packages(source)
             if missing:
                 raise ModelError(
                     f"model '{name}' cannot be loaded: its tokenizer ships as a SentencePiece "
@@ -130,7 +130,7 @@ def check_loadable(names: list[str], max_length: int) -> None:
 _SENTENCEPIECE_NEEDS = {"sentencepiece": "sentencepiece", "google.protobuf": "protobuf"}
 
 
-def missing_tokenizer_packages(source: str) -> list[str]:
+def _missing_tokenizer_packages(source: str) -> list[str]:
     """The packages, missing here, that reading `source`'s tokenizer needs."""
     def has(file: str) -> bool:
         if Path(source).is_dir():
