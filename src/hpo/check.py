@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import optuna
 import torch
@@ -20,9 +21,11 @@ import torch
 from hpo import memory
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device
-from hpo.report import ConsoleReporter
 from hpo.resources import Resources
 from hpo.train import Plan, autocast, prepare, probe_step
+
+if TYPE_CHECKING:  # hpo.report imports the executor, which imports this module
+    from hpo.report import ConsoleReporter
 
 PREFIX = "check:"
 # Two sequences of max_length tokens: the step runs every kernel a trial's step runs, in
