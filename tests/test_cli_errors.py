@@ -144,7 +144,8 @@ def test_emulated_precision_is_refused(study_file, precision):
 
 @pytest.mark.parametrize("name, value", [("HPO_FAULT_OOM_AT_STEP", "two"),
                                          ("HPO_FAULT_KILL_ABOVE_BATCH", "8x"),
-                                         ("HPO_FAULT_KILL_AT", "lunch")])
+                                         ("HPO_FAULT_KILL_AT", "lunch"),
+                                         ("HPO_FAULT_COMPILE", "sideways")])
 def test_malformed_fault_variable(study_file, name, value):
     check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", "1",
                         env={name: value}), name)

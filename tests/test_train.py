@@ -14,6 +14,7 @@ from hpo.data.tasks import build_examples
 from hpo.hardware import detect
 from hpo.models import ModelStore
 from hpo.train import (
+    CompiledOrEager,
     NonFiniteLoss,
     Plan,
     balanced_pos_weight,
@@ -175,3 +176,60 @@ def test_preparing_a_model_for_a_cuda_device_installs_nothing_cpu_specific(tiny_
         env={k: v for k, v in os.environ.items() if not k.startswith("HPO_FAULT_")},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def _train_once(model, setup, p):
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+          evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+    return predict(model, data, 7, device, p.precision, tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("graph", ["forward", "backward"])
+def test_a_model_the_compiler_fails_on_trains_eagerly_and_says_why(
+        setup, tiny_model, graph, monkeypatch):
+    """The backward graph is compiled at the first backward pass, after a forward call that
+    went well: the compilation in `prepare` catches it there too."""
+    monkeypatch.setenv("HPO_FAULT_COMPILE", graph)
+    store = setup[0]
+    p = plan(compile=True, epochs=1, effective_batch=20, physical_batch=10)
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, detect("cpu"))
+    assert isinstance(model, CompiledOrEager)
+    assert model.failure is not None
+    assert f"injected: HPO_FAULT_COMPILE={graph}" in model.failure
+    assert model.training
+    assert all(p.grad is None for p in model.parameters())
+    eager = prepare(store.build(str(tiny_model), 9, seed=0), plan(epochs=1), detect("cpu"))
+    # Training eagerly is training as if compile were off: the same run, to the bit.
+    torch.testing.assert_close(_train_once(model, setup, p),
+                               _train_once(eager, setup, plan(epochs=1, effective_batch=20,
+                                                              physical_batch=10)),
+                               rtol=0, atol=0)
+
+
+def test_an_out_of_memory_error_in_a_compiled_model_is_not_a_compile_failure(
+        setup, tiny_model, monkeypatch):
+    monkeypatch.setenv("HPO_FAULT_COMPILE", "forward")
+    monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "1")
+    with pytest.raises(torch.OutOfMemoryError):
+        prepare(setup[0].build(str(tiny_model), 9, seed=0), plan(compile=True), detect("cpu"))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_with_the_compiler_and_predicts_as_the_eager_one(
+        setup, tiny_model):
+    """torch.compile (inductor) on the tiny model: about 40 s of compilation on a cold cache
+    here, the reason this test is slow."""
+    store = setup[0]
+    p = plan(compile=True, epochs=1, effective_batch=20, physical_batch=10)
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, detect("cpu"))
+    assert isinstance(model, CompiledOrEager)
+    assert model.failure is None
+    compiled = _train_once(model, setup, p)
+    assert model.failure is None, "the compiler failed after its warm-up"
+    assert torch.isfinite(compiled).all()
+    eager = prepare(store.build(str(tiny_model), 9, seed=0), plan(epochs=1), detect("cpu"))
+    expected = _train_once(eager, setup, plan(epochs=1, effective_batch=20, physical_batch=10))
+    # Fused kernels round differently; after one epoch the two runs agree closely.
+    torch.testing.assert_close(compiled, expected, rtol=1e-3, atol=1e-3)

@@ -33,6 +33,7 @@ from hpo.resources import Resources
 from hpo.space import Params, suggest
 from hpo.study import StudyBatchCache, carry_over
 from hpo.train import (
+    CompiledOrEager,
     NonFiniteLoss,
     Plan,
     Progress,
@@ -50,6 +51,7 @@ class Reporter(Protocol):
     def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None: ...
     def step(self, number: int, progress: Progress, epochs: int) -> None: ...
     def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None: ...
+    def warning(self, text: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -290,19 +292,36 @@ def train_trial(
 
     pos_weight = (balanced_pos_weight(planned.train_data.labels)
                   if planned.training.pos_weight == "balanced" else None)
+    warned = _warn_eager(trial, model, reporter, None)
     try:
         train(model, planned.train_data, plan, device, pad_id=planned.pad_id,
               evaluate=evaluate, on_epoch=on_epoch, on_step=on_step, pos_weight=pos_weight)
     finally:
-        write_kept(trial, lambda: _record_progress(trial, progress, scores, objective, rule),
-                   lock)
+        _warn_eager(trial, model, reporter, warned)
+        write_kept(trial, lambda: _record_progress(trial, progress, scores, objective, rule,
+                                                   model), lock)
     return value()
+
+
+def _warn_eager(trial: optuna.Trial, model: torch.nn.Module, reporter: Reporter,
+                warned: str | None) -> str | None:
+    """Warn once that the compiler failed and the trial trains eagerly; returns the failure
+    warned of."""
+    failure = model.failure if isinstance(model, CompiledOrEager) else None
+    if failure is not None and warned is None:
+        reporter.warning(f"trial {trial.number}: torch.compile failed, so the trial trains "
+                         f"without it (slower): {failure}")
+    return failure
 
 
 def _record_progress(
     trial: optuna.Trial, progress: Progress | None, scores: list[metrics.Scores],
-    objective: str, rule: str,
+    objective: str, rule: str, model: torch.nn.Module,
 ) -> None:
+    if isinstance(model, CompiledOrEager):
+        trial.set_user_attr("compiled", model.failure is None)
+        if model.failure is not None:
+            trial.set_user_attr("compile_error", model.failure)
     if progress is not None:
         trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
         trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))

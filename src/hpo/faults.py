@@ -16,6 +16,10 @@ HPO_FAULT_KILL_AT=POINT       the worker kills itself with SIGKILL (an eviction,
                               just after claiming), `heartbeat` (before the trial's first
                               heartbeat), `train` (at the second optimizer step), `tell` (with
                               the result, just before telling the study).
+HPO_FAULT_COMPILE=forward|backward
+                              torch.compile's compiler fails on the model's forward graph, or
+                              on its backward graph (which torch compiles at the first
+                              backward pass), as it can on a model it does not support.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ OOM_AT_STEP = "HPO_FAULT_OOM_AT_STEP"
 KILL_ABOVE_BATCH = "HPO_FAULT_KILL_ABOVE_BATCH"
 KILL_AT = "HPO_FAULT_KILL_AT"
 NAN_LOSS = "HPO_FAULT_NAN_LOSS"
+COMPILE = "HPO_FAULT_COMPILE"
 KILL_POINTS = ("claim", "heartbeat", "train", "tell")
+COMPILE_GRAPHS = ("forward", "backward")
 
 
 def _int_env(name: str) -> int | None:
@@ -61,6 +67,10 @@ def check_environment() -> None:
     if point and point not in KILL_POINTS:
         raise FaultConfigError(f"{KILL_AT} must be one of {', '.join(KILL_POINTS)}, "
                                f"got {point!r}")
+    graph = os.environ.get(COMPILE, "").strip()
+    if graph and graph not in COMPILE_GRAPHS:
+        raise FaultConfigError(f"{COMPILE} must be one of {', '.join(COMPILE_GRAPHS)}, "
+                               f"got {graph!r}")
 
 
 def kill_at(point: str) -> None:
@@ -68,6 +78,26 @@ def kill_at(point: str) -> None:
     so: no handler, no `finally`, no goodbye to the database."""
     if os.environ.get(KILL_AT, "").strip() == point:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def compile_backend():
+    """torch.compile's default backend, or one whose compiler fails on the graph that
+    HPO_FAULT_COMPILE names."""
+    graph = os.environ.get(COMPILE, "").strip()
+    if not graph:
+        return "inductor"
+    # torch's documented way to write an autograd-aware backend (torch.compiler's "custom
+    # backends" page), from a private module: test_train's compile-failure tests fail if it moves.
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(failing: str):
+        def compile_graph(graph_module, _example_inputs):
+            if failing == graph:
+                raise RuntimeError(f"injected: {COMPILE}={graph} (the compiler failed)")
+            return graph_module.forward
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
 def install(model: torch.nn.Module) -> None:

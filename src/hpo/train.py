@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import get_linear_schedule_with_warmup
 
-from hpo import faults
+from hpo import faults, memory
 from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
+from hpo.errors import one_line
 from hpo.hardware import Device, autocast_dtype, fused_adamw, loader_settings
 
 
@@ -90,8 +91,64 @@ def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Modu
         enable()
     model.train()
     if plan.compile:
-        return torch.compile(model, dynamic=True)
+        return compiled(model, plan, device)
     return model
+
+
+class CompiledOrEager(torch.nn.Module):
+    """A model run through `torch.compile` until the compiler fails on it, eagerly from then
+    on (`failure` says why): a model the compiler cannot handle trains slower rather than
+    failing its trial. Out-of-memory errors pass through, as from the eager model."""
+
+    def __init__(self, model: torch.nn.Module, backend: Callable | str) -> None:
+        super().__init__()
+        self.eager = model
+        self.config = model.config
+        self.compiled = torch.compile(model, dynamic=True, backend=backend)
+        self.failure: str | None = None
+
+    def forward(self, **inputs: torch.Tensor):
+        if self.failure is None:
+            try:
+                return self.compiled(**inputs)
+            except Exception as exc:
+                if memory.is_oom(exc):
+                    raise
+                self.fail(exc)
+        # Outside the except block: the failed attempt's tensors are gone with its traceback.
+        return self.eager(**inputs)
+
+    def fail(self, exc: BaseException) -> None:
+        self.failure = one_line(exc)
+
+
+def compiled(model: torch.nn.Module, plan: Plan, device: Device) -> CompiledOrEager:
+    """`model` compiled, its compilation done now on a small batch in both the ways a trial
+    runs it (a training step, forward and backward, and an evaluation): torch compiles the
+    backward lazily, at the first backward pass, where no forward call could catch its
+    failure."""
+    wrapped = CompiledOrEager(model, faults.compile_backend())
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, 8)  # dynamic shapes: sizes 0 and 1 would be specialised, not generalised
+    inputs = {
+        "input_ids": torch.randint(0, model.config.vocab_size, shape, generator=generator),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+    }
+    inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+    try:
+        with autocast(device, plan.precision):
+            logits = wrapped(**inputs).logits
+        logits.float().sum().backward()
+        with torch.inference_mode(), autocast(device, plan.precision):
+            wrapped.eval()
+            wrapped(**inputs)
+    except Exception as exc:
+        if memory.is_oom(exc) or wrapped.failure is not None:
+            raise
+        wrapped.fail(exc)
+    model.zero_grad(set_to_none=True)
+    wrapped.train()
+    return wrapped
 
 
 def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.optim.AdamW:
