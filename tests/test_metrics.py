@@ -1,7 +1,16 @@
 import pytest
 import torch
 
-from hpo.metrics import all_positive_baseline, as_grid, chosen_epoch, f1_scores
+from hpo.metrics import (
+    all_positive_baseline,
+    apply_thresholds,
+    as_grid,
+    bootstrap_intervals,
+    chosen_epoch,
+    f1_scores,
+    per_label_scores,
+    tune_thresholds,
+)
 
 
 def test_f1_by_hand():
@@ -34,3 +43,43 @@ def test_the_chosen_epoch_is_the_last_or_the_earliest_best():
     assert chosen_epoch(values, "best") == 1
     assert chosen_epoch(values, "last") == 3
     assert chosen_epoch([0.2], "best") == 0
+
+
+def test_precision_recall_and_f1_per_label_by_hand():
+    gold = torch.tensor([[1, 0], [1, 1], [0, 0], [0, 1]]).bool()
+    pred = torch.tensor([[1, 0], [0, 1], [1, 0], [0, 0]]).bool()
+    scores = per_label_scores(pred, gold, ("a", "b"))
+    assert (scores["a"].precision, scores["a"].recall, scores["a"].f1) == (0.5, 0.5, 0.5)
+    assert (scores["b"].precision, scores["b"].recall) == (1.0, 0.5)
+    assert (scores["a"].support, scores["b"].support) == (2, 2)
+    assert scores["b"].f1 == pytest.approx(f1_scores(pred, gold, ("a", "b")).per_label["b"])
+
+
+def test_thresholds_are_tuned_per_label_to_the_best_f1():
+    # Label a: positives score 0.3 and 0.35, negatives 0.1 and 0.2: any threshold from 0.2 up
+    # to below 0.3 separates them; the nearest to 0.5 of those is 0.25. Label b has no
+    # positives (F1 0 everywhere): it keeps 0.5.
+    probabilities = torch.tensor([[0.3, 0.9], [0.35, 0.1], [0.1, 0.6], [0.2, 0.2]])
+    gold = torch.tensor([[1, 0], [1, 0], [0, 0], [0, 0]]).bool()
+    thresholds = tune_thresholds(probabilities, gold)
+    assert thresholds == (0.25, 0.5)
+    predicted = apply_thresholds(probabilities, thresholds)
+    assert f1_scores(predicted, gold, ("a", "b")).per_label["a"] == 1.0
+    assert f1_scores(probabilities > 0.5, gold, ("a", "b")).per_label["a"] == 0.0
+
+
+def test_bootstrap_intervals_hold_the_score_and_narrow_with_more_posts():
+    generator = torch.Generator().manual_seed(0)
+    gold = torch.rand(400, 4, generator=generator) > 0.6
+    noise = torch.rand(400, 4, generator=generator) > 0.8
+    predicted = gold ^ noise  # about 80% of cells right
+    names = tuple("abcd")
+    widths = []
+    for n in (40, 400):
+        point = f1_scores(predicted[:n], gold[:n], names)
+        intervals = bootstrap_intervals(predicted[:n], gold[:n])
+        assert intervals["macro_f1"].low <= point.macro_f1 <= intervals["macro_f1"].high
+        assert intervals["micro_f1"].low <= point.micro_f1 <= intervals["micro_f1"].high
+        widths.append(intervals["macro_f1"].high - intervals["macro_f1"].low)
+    assert widths[1] < widths[0] / 2  # about 1/sqrt(10) as wide
+    assert bootstrap_intervals(predicted, gold) == bootstrap_intervals(predicted, gold)

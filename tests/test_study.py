@@ -179,3 +179,17 @@ def test_a_reaped_trial_is_carried_over_to_its_retry_copy_once(any_storage):
     assert kept.user_attrs == {"physical_batch_size": 4, "result_of": 0}
     assert carry_over(study, optuna.trial.Trial(study, reaped._trial_id)) is None  # claimed
     storage.engine.dispose()
+
+
+def test_a_worker_on_another_data_split_is_refused(one_model_study, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert main(["create", "--config", str(one_model_study), "--storage", storage,
+                 "--skip-check"]) == 0
+    stored = optuna.load_study(study_name="tiny", storage=storage).user_attrs["data_splits"]
+    assert {name: s["posts"] for name, s in stored.items()} == {
+        "train": 60, "validation": 20, "test": 0}
+    capsys.readouterr()
+    assert main(["run", "--config", str(one_model_study), "--storage", storage,
+                 "--n-trials", "1", "--set", "data.split_seed=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "study 'tiny' searched on another data split (train:" in err[0]

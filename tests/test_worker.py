@@ -387,3 +387,35 @@ def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(ou
     reap(watched, idle, study_id)  # meets the outage in waiting for the lock
     assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
     assert not idle.trusts_heartbeats()
+
+
+def test_no_trial_reads_the_test_split(tmp_path, tiny_model, small_data, monkeypatch):
+    """Every text the tokenizers of a search see is a training or validation post: the test
+    split is left for `hpo final`. The check, the batch probes and the trials all run."""
+    import yaml
+    from conftest import study_dict
+    from transformers import PreTrainedTokenizerBase
+
+    from hpo.data.redsm5 import read_redsm5
+    from hpo.data.splits import split_posts
+
+    seen: set[str] = set()
+    original = PreTrainedTokenizerBase.__call__
+
+    def spy(self, text=None, *args, **kwargs):
+        seen.update([text] if isinstance(text, str) else list(text or ()))
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", spy)
+    config = study_dict([tiny_model], small_data)
+    config["data"]["test_fraction"] = 0.2
+    study_file = tmp_path / "tiny.yaml"
+    study_file.write_text(yaml.safe_dump(config))
+    assert main(["run", "--config", str(study_file), "--storage",
+                 f"sqlite:///{tmp_path / 'hpo.db'}", "--n-trials", "2"]) == 0
+
+    data = load(study_file).data
+    splits = split_posts(read_redsm5(small_data), validation=data.validation_fraction,
+                         test=data.test_fraction, seed=data.split_seed)
+    assert {p.text for p in splits.train + splits.validation} <= seen  # the spy saw them
+    assert not {p.text for p in splits.test} & seen

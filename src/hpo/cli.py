@@ -53,6 +53,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a trial number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a trial number, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -117,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     _study_options(best, required=True, overrides=False)
     _format_option(best, default="yaml")
 
+    final = commands.add_parser(
+        "final", help="train the best trial again, score it on the test split, export it")
+    _study_options(final, required=True)
+    final.add_argument("--trial", type=_non_negative_int, default=None,
+                       help="this trial instead of the best (a COMPLETE one)")
+    final.add_argument("--seeds", type=_positive_int, default=3,
+                       help="training runs, seeds training.seed, +1, ... (default 3)")
+    final.add_argument("--refit", action="store_true",
+                       help="train on the training and validation splits together")
+    final.add_argument("--thresholds", choices=("tuned", "0.5"), default=None,
+                       help="per-symptom thresholds tuned on the validation split (the "
+                            "default) or 0.5 (the default with --refit)")
+    final.add_argument("--output", type=Path, default=None,
+                       help="the model directory (default final/STUDY)")
+
     studies = commands.add_parser("studies", help="the studies in a storage")
     studies.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
     _format_option(studies, default="text")
@@ -138,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     hardware.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     hardware.add_argument("--steps", type=_positive_int, default=3,
                           help="timed training steps per precision")
-    for command in (run, create, check, status, best, studies, delete, dashboard, hardware):
+    for command in (run, create, check, status, best, final, studies, delete, dashboard,
+                    hardware):
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return parser
 
@@ -215,7 +241,8 @@ def command_create(args: argparse.Namespace) -> int:
     from hpo.storage import redact
 
     # "Once, anywhere": this host may have no GPU, so `auto` is left to the first worker.
-    optuna_study, pinned = study.join(prepared.config, prepared.storage, None)
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, None,
+                                     prepared.splits)
     print(f"study '{optuna_study.study_name}' ready on {redact(prepared.url)}; pinned "
           f"fp_precision {pinned.describe_precisions()}; "
           f"{study.finished_count(optuna_study)} finished trials")
@@ -230,7 +257,8 @@ def command_check(args: argparse.Namespace) -> int:
     from hpo import study
 
     # Like create, this may run on a host other than the fleet's: `auto` stays open.
-    optuna_study, pinned = study.join(prepared.config, prepared.storage, None)
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, None,
+                                     prepared.splits)
     _check(prepared, optuna_study, pinned, fresh=True)
     return EXIT_OK
 
@@ -367,6 +395,43 @@ def command_best(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def command_final(args: argparse.Namespace) -> int:
+    if args.refit and args.thresholds == "tuned":
+        raise UsageError("hpo final: --thresholds tuned needs the validation split, which "
+                         "--refit trains on; use --thresholds 0.5")
+    # The trial's precision is what must be native here (final.check_precision), not all
+    # of the study file's.
+    prepared = prepare(args, runs_trials=False)
+
+    from hpo import export, final
+    from hpo.report import ConsoleReporter
+    from hpo.resources import load_resources
+    from hpo.space import PinnedSpace, declare
+    from hpo.study import check_splits
+
+    config = prepared.config
+    if not prepared.splits.test:
+        raise ConfigError(f"data.test_fraction is {config.data.test_fraction:g}: there is no "
+                          f"held-out test split to score the final model on")
+    optuna_study = _load_study(args, prepared.storage, prepared.url)
+    reporter = ConsoleReporter()
+    if not check_splits(optuna_study, prepared.splits):
+        reporter.warning(f"study '{optuna_study.study_name}' recorded no data split (its "
+                         f"workers predate that): the test split is taken to be the one its "
+                         f"search held out")
+    output = args.output or Path("final") / optuna_study.study_name
+    export.check_writable(output)
+    pinned = PinnedSpace(declare(config.search_space, None).declared, None)
+    resources = load_resources(config, pinned, prepared.device, prepared.splits)
+    options = final.Options(number=args.trial, seeds=args.seeds, refit=args.refit,
+                            tuned=not args.refit and args.thresholds != "0.5")
+    report, model = final.final(optuna_study, resources, prepared.splits, options, reporter)
+    export.write(output, model, report, resources.label_names)
+    print(final.render(report))
+    print(f"model, report.json and model card written to {output}")
+    return EXIT_OK
+
+
 def command_studies(args: argparse.Namespace) -> int:
     from hpo import summary
 
@@ -441,6 +506,7 @@ COMMANDS = {
     "check": command_check,
     "status": command_status,
     "best": command_best,
+    "final": command_final,
     "studies": command_studies,
     "delete": command_delete,
     "dashboard": command_dashboard,

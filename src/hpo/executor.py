@@ -208,7 +208,23 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
     trial.set_user_attr("tokenization", source)
     trial.set_user_attr("tokenization_seconds", round(time.perf_counter() - began, 3))
     tokenizer = resources.models.tokenizer(params.model_name)
-    base = Plan(
+    plan, key, probes = fit_batch(base_plan(params, training), params, training,
+                                  train_data.labels.shape[1], resources, cache, watch)
+    trial.set_user_attr("physical_batch_size", plan.physical_batch)
+    trial.set_user_attr("grad_accum_steps", plan.grad_accum_steps)
+    trial.set_user_attr("effective_batch_size", plan.effective_batch)
+    trial.set_user_attr("eval_batch_size", plan.eval_batch)
+    trial.set_user_attr("batch_probes", probes)
+    trial.set_user_attr("samples_dropped_per_epoch", len(train_data) % plan.effective_batch)
+    # The resolved settings beside the result, enough to repeat the run.
+    trial.set_user_attr("training", training.model_dump(mode="json"))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TrialPlan(params, training, plan, key, probes, train_data, validation_data, pad_id)
+
+
+def base_plan(params: Params, training: TrainingConfig) -> Plan:
+    """The plan of a configuration, its batches not yet fitted to the device."""
+    return Plan(
         precision=params.fp_precision,
         effective_batch=params.target_effective_batch_size,
         physical_batch=1,
@@ -222,26 +238,27 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
         gradient_checkpointing=training.gradient_checkpointing,
         compile=training.compile,
     )
+
+
+def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: int,
+              resources: Resources, cache: StudyBatchCache, watch: Watch = _unwatched,
+              ) -> tuple[Plan, str, int]:
+    """`base` with the physical and evaluation batches that fit this device: the study's
+    cached limit for the model and precision, searched (probes > 0) where there is none.
+    Returns the plan, the cache key and the number of probes."""
+    config, device = resources.config, resources.device
+    tokenizer = resources.models.tokenizer(params.model_name)
     key = cache_key(params, config.data.max_length, device)
     bound = min(params.target_effective_batch_size, training.max_physical_batch_size)
-    build = functools.partial(resources.models.build, params.model_name,
-                              train_data.labels.shape[1], seed=training.seed)
+    build = functools.partial(resources.models.build, params.model_name, num_labels,
+                              seed=training.seed)
     probe_length = min(config.data.max_length, tokenizer.model_max_length)
     limit, probes = _find_batch(build, base, device, key, bound, cache, probe_length, watch)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
     plan = replace(
         base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
     )
-    trial.set_user_attr("physical_batch_size", physical)
-    trial.set_user_attr("grad_accum_steps", plan.grad_accum_steps)
-    trial.set_user_attr("effective_batch_size", plan.effective_batch)
-    trial.set_user_attr("eval_batch_size", plan.eval_batch)
-    trial.set_user_attr("batch_probes", probes)
-    trial.set_user_attr("samples_dropped_per_epoch", len(train_data) % plan.effective_batch)
-    # The resolved settings beside the result, enough to repeat the run.
-    trial.set_user_attr("training", training.model_dump(mode="json"))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TrialPlan(params, training, plan, key, probes, train_data, validation_data, pad_id)
+    return plan, key, probes
 
 
 def train_trial(

@@ -14,6 +14,8 @@ from optuna.trial import TrialState
 
 from hpo import budget
 from hpo.config import StudyConfig
+from hpo.data.splits import Splits, fingerprint
+from hpo.errors import DataError
 from hpo.hardware import Device
 from hpo.memory import BatchLimit
 from hpo.space import PinnedSpace, pin
@@ -49,11 +51,13 @@ def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
 
 
 def join(
-    config: StudyConfig, storage: ResilientRDBStorage, device: Device | None
+    config: StudyConfig, storage: ResilientRDBStorage, device: Device | None,
+    splits: Splits | None = None,
 ) -> tuple[optuna.Study, PinnedSpace]:
     """Create the study or load it, and the space this worker may search in it (`device`
-    None: a host that runs no trial, which leaves `auto` to the first worker that does).
-    Under the study lock, so that of many workers starting at once exactly one pins it."""
+    None: a host that runs no trial, which leaves `auto` to the first worker that does),
+    with the data split pinned (`pin_splits`) when `splits` is given. Under the study lock,
+    so that of many workers starting at once exactly one pins them."""
     with budget.study_lock(storage.engine, config.study.name):
         study = optuna.create_study(
             storage=storage,
@@ -64,7 +68,37 @@ def join(
             load_if_exists=True,
         )
         pin_liveness(study, storage, config)
+        if splits is not None:
+            pin_splits(study, splits)
         return study, pin(study, config.search_space, device)
+
+
+SPLITS = "data_splits"
+
+
+def pin_splits(study: optuna.Study, splits: Splits) -> None:
+    """The data split fixed in the study by its first worker: a worker (or `hpo final`) whose
+    data or split settings give other posts in a split refuses, since a trial trained on
+    another worker's validation or test posts would make the search's scores, and the
+    final test score, dishonest."""
+    if not check_splits(study, splits):
+        study.set_user_attr(SPLITS, fingerprint(splits))
+
+
+def check_splits(study: optuna.Study, splits: Splits) -> bool:
+    """True if the study recorded these splits, False if it recorded none; DataError if it
+    recorded others."""
+    stored, mine = study.user_attrs.get(SPLITS), fingerprint(splits)
+    if stored is None:
+        return False
+    for name in ("train", "validation", "test"):
+        if stored[name] != mine[name]:
+            raise DataError(
+                f"study '{study.study_name}' searched on another data split ({name}: "
+                f"{stored[name]['posts']} posts, digest {stored[name]['sha256']}; here "
+                f"{mine[name]['posts']} posts, digest {mine[name]['sha256']}): use the same "
+                f"data.dir, split_seed and fractions as the study's workers")
+    return True
 
 
 LIVENESS = "liveness"

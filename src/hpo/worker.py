@@ -85,7 +85,7 @@ def work(
     not to, the study's model x precision check runs first if no worker on this kind of
     device has run it."""
     hardware.configure_backends(device)
-    study, pinned = join(config, storage, device)
+    study, pinned = join(config, storage, device, splits)
     reporter = ConsoleReporter()
     own = (config.study.heartbeat_interval, config.study.grace_period)
     if own != (storage.heartbeat_interval, storage.grace_period):

@@ -6,6 +6,7 @@ posts there are and the seed, never on the order a file happened to list them in
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,17 @@ class Splits:
     train: tuple[Post, ...]
     validation: tuple[Post, ...]
     test: tuple[Post, ...]
+
+
+def fingerprint(splits: Splits) -> dict[str, dict[str, int | str]]:
+    """Each split's size and a digest of its post ids: what a study records of the split it
+    searched on, so its final model is scored on posts no trial saw."""
+    return {
+        name: {"posts": len(posts), "sha256": hashlib.sha256(
+            "\n".join(post.post_id for post in posts).encode()).hexdigest()[:16]}
+        for name, posts in (("train", splits.train), ("validation", splits.validation),
+                            ("test", splits.test))
+    }
 
 
 def split_posts(posts: Sequence[Post], *, validation: float, test: float, seed: int) -> Splits:

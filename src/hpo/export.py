@@ -1,0 +1,140 @@
+"""The exported model: a directory that transformers' Auto classes and `pipeline` load offline,
+with the symptom names as its labels, the decision thresholds in its config, the `hpo final`
+report beside it (report.json) and a model card (README.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from hpo.errors import ConfigError
+from hpo.models import resolve
+
+REPORT = "report.json"
+CARD = "README.md"
+
+
+def check_writable(directory: Path) -> None:
+    """Fail before any training if the model cannot be written where asked."""
+    probe = directory / ".hpo-write-check"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--output {directory}: cannot write there "
+                          f"({exc.strerror or exc})") from None
+
+
+def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
+          label_names: tuple[str, ...]) -> None:
+    """Save the model (float32 weights, safetensors), its tokenizer cutting at the study's
+    max_length (so a pipeline with truncation=True reads what the model was trained on), the
+    report and the model card."""
+    config = model.config
+    thresholds = report["exported"]["thresholds"]
+    if report["data"]["task"] == "multilabel":
+        config.id2label = dict(enumerate(label_names))
+        config.label2id = {name: i for i, name in enumerate(label_names)}
+    else:
+        config.id2label, config.label2id = {0: "CRITERION_MET"}, {"CRITERION_MET": 0}
+    config.problem_type = "multi_label_classification"  # a sigmoid per label in a pipeline
+    config.decision_thresholds = thresholds
+    model.to(torch.float32).save_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve(report["params"]["model_name"]),
+        model_max_length=report["data"]["max_length"])
+    tokenizer.save_pretrained(directory)
+    (directory / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    (directory / CARD).write_text(model_card(report))
+
+
+def model_card(report: dict[str, Any]) -> str:
+    params, data, exported = report["params"], report["data"], report["exported"]
+    objective = report["objective"]
+    posts = data["posts"]
+    spread = report["seed_spread"]["test_" + objective]
+    model_name = params["model_name"]
+    base = f"base_model: {model_name}\n" if not Path(model_name).exists() else ""
+    intervals = exported["test_interval_95"]
+    rows = "\n".join(
+        f"| {name} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
+        f"{s['support']} | {s['threshold']:.2f} |"
+        for name, s in exported["per_symptom"].items())
+    settings = "\n".join(f"- `{k}`: {v}" for k, v in params.items())
+    plan = report["plan"]
+    refit = ("training and validation splits (--refit), for the epochs of the trial's value"
+             if report["refit"] else "training split; the epoch kept is the one the study's "
+             "rule picks on the validation split")
+    pairs = ("" if data["task"] == "multilabel" else
+             "\nInputs are (post, criterion description) pairs, one per symptom, with one "
+             "yes/no output (`nli_pairs`): see hpo's `data/tasks.py` for the descriptions.\n")
+    return f"""---
+library_name: transformers
+pipeline_tag: text-classification
+{base}tags:
+- hpo
+- multi-label-classification
+- redsm5
+---
+
+# {report['study']}: trial {report['trial']}, seed {exported['seed']}
+
+A multi-label classifier of DSM-5 depression symptoms in posts, found by an hpo search
+(study `{report['study']}`, trial {report['trial']}) and trained again by `hpo final`. Each
+label is a symptom; a post has a symptom when its sigmoid probability exceeds the symptom's
+threshold in `config.decision_thresholds` ({report['thresholds']}).
+{pairs}
+```python
+from transformers import pipeline
+classify = pipeline("text-classification", model="PATH", top_k=None, truncation=True)
+```
+
+## Data
+
+`{data['dir']}`, task `{data['task']}`, split by post with seed {data['split_seed']}:
+{posts['train']} training, {posts['validation']} validation and {posts['test']} test posts
+(the test post ids are in {REPORT}). Texts are cut at {data['max_length']} tokens.
+
+## Training
+
+Trained on the {refit}. Settings (the trial's):
+
+{settings}
+
+Precision `{params['fp_precision']}` (autocast during training; weights saved in float32),
+effective batch {plan['effective_batch']} = {plan['physical_batch']} x
+{plan['grad_accum_steps']} accumulation, {plan['epochs']} epoch(s), on {report['device']}.
+
+## Scores on the held-out test split
+
+No trial of the search read the test split. The exported model was chosen among
+{len(report['runs'])} seed(s) by {exported['chosen_by']}.
+
+| | this model | 95% interval (bootstrap over posts) | at threshold 0.5 | trivial baseline |
+|---|---|---|---|---|
+| macro-F1 | {exported['test']['macro_f1']:.4f} | {intervals['macro_f1'][0]:.4f} to \
+{intervals['macro_f1'][1]:.4f} | {exported['test_at_0.5']['macro_f1']:.4f} | \
+{report['baseline']['macro_f1']:.4f} |
+| micro-F1 | {exported['test']['micro_f1']:.4f} | {intervals['micro_f1'][0]:.4f} to \
+{intervals['micro_f1'][1]:.4f} | {exported['test_at_0.5']['micro_f1']:.4f} | \
+{report['baseline']['micro_f1']:.4f} |
+
+Test {objective} over seeds: mean {spread['mean']:.4f}, standard deviation {spread['std']:.4f}.
+The search's validation {objective} for this trial was {report['search_validation']:.4f}
+(optimistic by {report['optimism']:+.4f} against the test mean).
+
+| symptom | precision | recall | F1 | test posts with it | threshold |
+|---|---|---|---|---|---|
+{rows}
+
+## Limits
+
+Scores come from {posts['test']} test posts; symptoms with few test posts have wide
+uncertainty. The model flags language about symptoms in posts; it does not diagnose anyone
+and must not be used as a clinical tool.
+"""

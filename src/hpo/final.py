@@ -1,0 +1,385 @@
+"""From a search to a model: a finished trial trained again from its recorded settings, once
+per seed, each run scored on the held-out test split, and the run that did best on the
+validation split exported.
+
+The search never reads the test split (a worker holds only the training and validation
+examples); this is the one place that does, after training, once per run. Decision
+thresholds are tuned on the validation split, never on the test split.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import optuna
+import torch
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo import memory, metrics
+from hpo.config import TrainingConfig
+from hpo.data import token_cache
+from hpo.data.batching import Encoded
+from hpo.data.splits import Splits
+from hpo.data.tasks import build_examples
+from hpo.errors import ConfigError, SpaceError
+from hpo.executor import base_plan, fit_batch
+from hpo.hardware import native_precisions
+from hpo.models import ModelStore
+from hpo.resources import Resources
+from hpo.space import Params
+from hpo.study import StudyBatchCache
+from hpo.train import Plan, balanced_pos_weight, predict, prepare, train
+
+if TYPE_CHECKING:
+    from hpo.report import ConsoleReporter as Reporter
+
+SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A COMPLETE trial's settings, enough to train it again."""
+
+    number: int
+    value: float
+    params: Params
+    training: TrainingConfig
+    value_epoch: int  # the epoch the trial's value came from (1-based)
+
+
+def recipe(study: optuna.Study, number: int | None, defaults: TrainingConfig) -> Recipe:
+    """The settings of trial `number`, or of the best trial; `defaults` stand in for the
+    resolved training settings of a trial that did not record them."""
+    trial = _chosen_trial(study, number)
+    params = trial.params
+    extras = {k: v for k, v in params.items() if k not in SEARCHED}
+    recorded = trial.user_attrs.get("training")
+    training = (TrainingConfig.model_validate(recorded) if recorded is not None
+                else defaults.model_copy(update=extras))
+    return Recipe(
+        number=trial.number,
+        value=float(trial.value),
+        params=Params(params["model_name"], params["fp_precision"],
+                      int(params["target_effective_batch_size"]),
+                      float(params["learning_rate"]), extras),
+        training=training,
+        value_epoch=int(trial.user_attrs.get("value_epoch", training.epochs)),
+    )
+
+
+def _chosen_trial(study: optuna.Study, number: int | None) -> FrozenTrial:
+    trials = study.get_trials(deepcopy=False)
+    if not any(t.state == TrialState.COMPLETE for t in trials):
+        raise ConfigError(f"study '{study.study_name}' has no COMPLETE trial yet: nothing to "
+                          f"train (hpo run first)")
+    if number is None:
+        return study.best_trial
+    found = [t for t in trials if t.number == number]
+    if not found:
+        raise ConfigError(f"--trial {number}: study '{study.study_name}' has no trial "
+                          f"{number} (its trials are numbered 0 to {len(trials) - 1})")
+    if found[0].state != TrialState.COMPLETE:
+        raise ConfigError(f"--trial {number}: trial {number} of study '{study.study_name}' "
+                          f"is {found[0].state.name}, not COMPLETE: it has no result to repeat")
+    return found[0]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One seed's training run, scored with its own weights in float32, as exported."""
+
+    seed: int
+    epochs_trained: int
+    kept_epoch: int
+    # The objective on the validation split at the kept epoch, scored as the search scored
+    # its trials (in the trial's precision, threshold 0.5); None with --refit.
+    validation: float | None
+    validation_probabilities: torch.Tensor | None
+    test_probabilities: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Data:
+    """The encoded splits a final run trains on and is scored on."""
+
+    train: Encoded
+    validation: Encoded
+    test: Encoded
+    pad_id: int
+
+
+def encode_splits(resources: Resources, splits: Splits, model_name: str,
+                  refit: bool) -> Data:
+    config = resources.config.data
+    tokenizer = resources.models.tokenizer(model_name)
+
+    def encoded(posts) -> Encoded:
+        examples = build_examples(posts, config.task, special_case=config.special_case)
+        return token_cache.cached_encode(tokenizer, examples, config.max_length,
+                                         resources.token_cache_dir)[0]
+
+    train_posts = splits.train + splits.validation if refit else splits.train
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Data(encoded(train_posts), encoded(splits.validation), encoded(splits.test), pad_id)
+
+
+def check_precision(found: Recipe, resources: Resources) -> None:
+    precision = found.params.fp_precision
+    native = native_precisions(resources.device)
+    if precision not in native:
+        raise SpaceError(f"trial {found.number} trained in {precision}, which "
+                         f"{resources.device.describe()} runs only by emulation (native: "
+                         f"{', '.join(native)}): run hpo final on a device like the search's")
+
+
+def fitted_plan(found: Recipe, resources: Resources, study: optuna.Study, num_labels: int,
+                refit: bool) -> tuple[Plan, int]:
+    """The trial's plan with the batches that fit this device (the study's cached limit; a
+    batch search where this kind of device has none). With --refit and the best epoch as the
+    trial's value, training stops at that epoch: there is no validation split left to choose
+    an epoch on."""
+    training = found.training
+    if refit and resources.config.study.objective_epoch == "best":
+        training = training.model_copy(update={"epochs": found.value_epoch})
+    plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
+                                num_labels, resources, StudyBatchCache(study))
+    return plan, probes
+
+
+def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold: torch.Tensor,
+              seed: int, *, refit: bool, reporter: Reporter,
+              ) -> tuple[Run, torch.nn.Module]:
+    """Train the trial's configuration with `seed` (its data order and dropout; the head is
+    initialised from it too) and score the weights of the epoch the study's rule keeps.
+    Returns the run and the model with those weights, on the device."""
+    plan = replace(plan, seed=seed)
+    objective = resources.config.study.objective
+    rule = "last" if refit else resources.config.study.objective_epoch
+    device = resources.device
+    model = ModelStore().build(found.params.model_name, data.train.labels.shape[1], seed=seed)
+    trained = prepare(model, plan, device)
+    kept: dict[str, Any] = {"epoch": 0, "score": None, "state": None}
+    names = resources.label_names
+
+    def evaluate(m: torch.nn.Module) -> float:
+        if refit:
+            return math.nan
+        probabilities = predict(m, data.validation, plan.eval_batch, device, plan.precision,
+                                data.pad_id)
+        grid = metrics.as_grid(probabilities > 0.5, len(names))
+        return metrics.f1_scores(grid, gold, names).get(objective)
+
+    def on_epoch(epoch: int, score: float) -> None:
+        reporter.epoch(found.number, epoch, plan.epochs, score)
+        # The epoch the search's rule picks: the best (the earliest of equal bests) or last.
+        if rule == "last" or kept["score"] is None or score > kept["score"]:
+            kept.update(epoch=epoch, score=None if refit else score, state={
+                k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+
+    pos_weight = (balanced_pos_weight(data.train.labels)
+                  if found.training.pos_weight == "balanced" else None)
+    reporter.trial_started(found.number, found.params, plan, 0)
+    train(trained, data.train, plan, device, pad_id=data.pad_id, evaluate=evaluate,
+          on_epoch=on_epoch, on_step=lambda p: reporter.step(found.number, p, plan.epochs),
+          pos_weight=pos_weight)
+    del trained
+    model.load_state_dict(kept["state"])
+    model.eval()
+    # Scored as exported: float32 weights, no autocast, as a plain pipeline runs them.
+    validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,
+                                             "none", data.pad_id))
+    test = predict(model, data.test, plan.eval_batch, device, "none", data.pad_id)
+    return Run(seed, plan.epochs, kept["epoch"], kept["score"], validation, test), model
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A run's test predictions at its thresholds and at 0.5."""
+
+    thresholds: tuple[float, ...]
+    test: metrics.Scores
+    test_at_half: metrics.Scores
+
+
+def score(run: Run, gold_validation: torch.Tensor, gold_test: torch.Tensor,
+          names: tuple[str, ...], tuned: bool) -> Scored:
+    n = len(names)
+    validation = (None if run.validation_probabilities is None
+                  else metrics.as_grid(run.validation_probabilities, n))
+    thresholds = (metrics.tune_thresholds(validation, gold_validation)
+                  if tuned and validation is not None else (0.5,) * n)
+    test = metrics.as_grid(run.test_probabilities, n)
+    return Scored(
+        thresholds,
+        metrics.f1_scores(metrics.apply_thresholds(test, thresholds), gold_test, names),
+        metrics.f1_scores(test > 0.5, gold_test, names),
+    )
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "mean": round(statistics.fmean(values), 4),
+        "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
+@dataclass(frozen=True)
+class Options:
+    number: int | None  # None: the best trial
+    seeds: int
+    refit: bool
+    tuned: bool  # thresholds tuned on the validation split, else 0.5
+
+
+def final(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
+          reporter: Reporter) -> tuple[dict[str, Any], torch.nn.Module]:
+    """Train the chosen trial again once per seed and score every run on the test split.
+    Returns the report and the model to export: the run best on validation (the earliest of
+    equal ones), or the first seed's with --refit (no validation split is left to choose)."""
+    config = resources.config
+    found = recipe(study, options.number, config.training)
+    check_precision(found, resources)
+    data = encode_splits(resources, splits, found.params.model_name, options.refit)
+    names = resources.label_names
+    gold_validation, gold_test = resources.gold(), _gold(splits, resources)
+    plan, probes = fitted_plan(found, resources, study, data.train.labels.shape[1],
+                               options.refit)
+    runs: list[tuple[Run, Scored]] = []
+    chosen: tuple[Run, Scored, torch.nn.Module] | None = None
+    for index in range(options.seeds):
+        seed = found.training.seed + index
+        split = "training + validation" if options.refit else "training"
+        reporter.message(f"run {index + 1}/{options.seeds} of trial {found.number}: seed "
+                         f"{seed}, trained on the {split} split ({len(data.train)} examples)")
+        run, model = train_run(found, plan, resources, data, gold_validation, seed,
+                               refit=options.refit, reporter=reporter)
+        scored = score(run, gold_validation, gold_test, names, options.tuned)
+        runs.append((run, scored))
+        reporter.message(_run_line(run, scored, config.study.objective))
+        if chosen is None or (run.validation is not None
+                              and run.validation > chosen[0].validation):
+            chosen = (run, scored, model.to("cpu"))
+        del model
+        memory.release_memory()
+    assert chosen is not None
+    report = _report(study, resources, splits, options, found, plan, probes, runs, chosen[:2],
+                     gold_test)
+    return report, chosen[2]
+
+
+def _run_line(run: Run, scored: Scored, objective: str) -> str:
+    validation = ("" if run.validation is None
+                  else f", validation {objective} {run.validation:.4f}")
+    return (f"  seed {run.seed}: epoch {run.kept_epoch} of {run.epochs_trained} kept"
+            f"{validation}, test macro-F1 {scored.test.macro_f1:.4f} "
+            f"({scored.test_at_half.macro_f1:.4f} at threshold 0.5)")
+
+
+def _gold(splits: Splits, resources: Resources) -> torch.Tensor:
+    data = resources.config.data
+    examples = build_examples(splits.test, data.task, special_case=data.special_case)
+    labels = torch.tensor([e.labels for e in examples])
+    return metrics.as_grid(labels, len(resources.label_names)).bool()
+
+
+def _scores(scores: metrics.Scores) -> dict[str, float]:
+    return {"macro_f1": round(scores.macro_f1, 4), "micro_f1": round(scores.micro_f1, 4)}
+
+
+def _report(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
+            found: Recipe, plan: Plan, probes: int, runs: list[tuple[Run, Scored]],
+            chosen: tuple[Run, Scored], gold_test: torch.Tensor) -> dict[str, Any]:
+    config, names = resources.config, resources.label_names
+    objective = config.study.objective
+    run, scored = chosen
+    predicted = metrics.apply_thresholds(metrics.as_grid(run.test_probabilities, len(names)),
+                                         scored.thresholds)
+    intervals = metrics.bootstrap_intervals(predicted, gold_test)
+    per_label = metrics.per_label_scores(predicted, gold_test, names)
+    baseline = metrics.all_positive_baseline(gold_test, names)
+    test_values = [s.test.get(objective) for _, s in runs]
+    return {
+        "study": study.study_name,
+        "trial": found.number,
+        "objective": objective,
+        "search_validation": round(found.value, 4),
+        "params": {"model_name": found.params.model_name,
+                   "fp_precision": found.params.fp_precision,
+                   "target_effective_batch_size": found.params.target_effective_batch_size,
+                   "learning_rate": found.params.learning_rate, **found.params.extras},
+        "training": found.training.model_dump(mode="json"),
+        "plan": {"physical_batch": plan.physical_batch, "grad_accum_steps":
+                 plan.grad_accum_steps, "effective_batch": plan.effective_batch,
+                 "epochs": plan.epochs, "batch_probes": probes},
+        "device": resources.device.describe(),
+        "refit": options.refit,
+        "thresholds": "tuned on validation" if options.tuned and not options.refit else "0.5",
+        "data": {
+            "dir": config.data.dir, "task": config.data.task,
+            "split_seed": config.data.split_seed, "max_length": config.data.max_length,
+            "posts": {"train": len(splits.train), "validation": len(splits.validation),
+                      "test": len(splits.test)},
+            "test_post_ids": [post.post_id for post in splits.test],
+        },
+        "runs": [
+            {"seed": r.seed, "epoch": r.kept_epoch, "epochs": r.epochs_trained,
+             "validation": None if r.validation is None else round(r.validation, 4),
+             "test": _scores(s.test), "test_at_0.5": _scores(s.test_at_half)}
+            for r, s in runs
+        ],
+        "seed_spread": {"test_" + objective: spread(test_values)},
+        "exported": {
+            "seed": run.seed,
+            "chosen_by": "first seed (--refit)" if options.refit else "validation score",
+            "test": _scores(scored.test),
+            "test_interval_95": {k: [v.low, v.high] for k, v in intervals.items()},
+            "test_at_0.5": _scores(scored.test_at_half),
+            "per_symptom": {
+                name: {"precision": s.precision, "recall": s.recall, "f1": s.f1,
+                       "support": s.support, "threshold": t}
+                for (name, s), t in zip(per_label.items(), scored.thresholds, strict=True)
+            },
+            "thresholds": dict(zip(names, scored.thresholds, strict=True)),
+        },
+        "baseline": {"name": "all_positive", **_scores(baseline)},
+        "optimism": round(found.value - statistics.fmean(test_values), 4),
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as the terminal shows it."""
+    objective = report["objective"]
+    exported = report["exported"]
+    spread_ = report["seed_spread"]["test_" + objective]
+    posts = report["data"]["posts"]
+    trained = ("refit on training + validation" if report["refit"]
+               else "trained on the training split")
+    lines = [
+        f"final model of study '{report['study']}', trial {report['trial']} "
+        f"({report['params']['model_name']}, {report['params']['fp_precision']}): "
+        f"{len(report['runs'])} seed(s), {trained}; "
+        f"test split {posts['test']} posts; thresholds {report['thresholds']}",
+        f"search's validation {objective}: {report['search_validation']:.4f}; test {objective} "
+        f"over seeds: mean {spread_['mean']:.4f}, std {spread_['std']:.4f}, "
+        f"min {spread_['min']:.4f}, max {spread_['max']:.4f} (validation - test: "
+        f"{report['optimism']:+.4f}, how optimistic the search was)",
+        f"exported model: seed {exported['seed']}, chosen by {exported['chosen_by']}",
+    ]
+    for name in ("macro_f1", "micro_f1"):
+        low, high = exported["test_interval_95"][name]
+        lines.append(f"  test {name} {exported['test'][name]:.4f} [{low:.4f}, {high:.4f}] "
+                     f"(95% bootstrap over posts); {exported['test_at_0.5'][name]:.4f} at "
+                     f"threshold 0.5; trivial baseline {report['baseline'][name]:.4f}")
+    rows = [["symptom", "precision", "recall", "F1", "support", "threshold"]]
+    for name, s in exported["per_symptom"].items():
+        rows.append([name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}",
+                     str(s["support"]), f"{s['threshold']:.2f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+              .rstrip() for row in rows]
+    return "\n".join(lines)

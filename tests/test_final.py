@@ -1,0 +1,225 @@
+"""From a search to a model: `hpo final` trains the chosen trial again per seed, scores every
+run on the held-out test split, and exports a model that a plain transformers pipeline, in a
+process of its own, scores to the report's figure. Real training of the tiny model."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import optuna
+import pytest
+import yaml
+from conftest import REPO, study_dict
+
+from hpo.cli import main
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory, tiny_model, small_data):
+    """A study of three finished trials over the tiny model, with a test split held out."""
+    root = tmp_path_factory.mktemp("searched")
+    config = study_dict([tiny_model], small_data, epochs=2)
+    config["data"]["test_fraction"] = 0.2
+    config["study"]["objective_epoch"] = "best"
+    study_file = root / "tiny.yaml"
+    study_file.write_text(yaml.safe_dump(config))
+    storage = f"sqlite:///{root / 'hpo.db'}"
+    assert main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", "3",
+                 "--set", "study.sampler.name=random"]) == 0
+    return study_file, root / "hpo.db"
+
+
+@pytest.fixture
+def study(searched, tmp_path):
+    """The searched study in a storage of this test's own."""
+    study_file, database = searched
+    shutil.copy(database, tmp_path / "hpo.db")
+    return study_file, f"sqlite:///{tmp_path / 'hpo.db'}"
+
+
+def final(study_file, storage, *extra) -> int:
+    return main(["final", "--config", str(study_file), "--storage", storage, *extra])
+
+
+PIPELINE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from transformers import pipeline
+
+    model, data = Path(sys.argv[1]), Path(sys.argv[2])
+    report = json.loads((model / "report.json").read_text())
+    thresholds = json.loads((model / "config.json").read_text())["decision_thresholds"]
+    import csv
+    with (data / "redsm5_posts.csv").open(encoding="utf-8", newline="") as handle:
+        texts = {row["post_id"]: row["text"] for row in csv.DictReader(handle)}
+    ids = report["data"]["test_post_ids"]
+    classify = pipeline("text-classification", model=str(model), top_k=None, truncation=True)
+    out = classify([texts[i] for i in ids])
+    predicted = {i: [x["label"] for x in o if x["score"] > thresholds[x["label"]]]
+                 for i, o in zip(ids, out)}
+    print(json.dumps(predicted))
+""")
+
+
+def gold_symptoms(data, ids) -> dict[str, set[str]]:
+    from hpo.data.redsm5 import read_redsm5
+
+    posts = {p.post_id: p for p in read_redsm5(data)}
+    return {i: set(posts[i].symptoms) for i in ids}
+
+
+def macro_f1(predicted: dict[str, set], gold: dict[str, set], names) -> float:
+    scores = []
+    for name in names:
+        tp = sum(name in predicted[i] and name in gold[i] for i in gold)
+        fp = sum(name in predicted[i] and name not in gold[i] for i in gold)
+        fn = sum(name not in predicted[i] and name in gold[i] for i in gold)
+        scores.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    return sum(scores) / len(scores)
+
+
+def test_the_exported_model_scores_in_a_plain_pipeline_as_the_report_says(
+        study, tmp_path, small_data, capsys):
+    study_file, storage = study
+    output = tmp_path / "model"
+    assert final(study_file, storage, "--seeds", "2", "--output", str(output)) == 0
+    shown = capsys.readouterr().out
+    report = json.loads((output / "report.json").read_text())
+    best = optuna.load_study(study_name="tiny", storage=storage).best_trial
+
+    assert report["trial"] == best.number
+    assert [r["seed"] for r in report["runs"]] == [42, 43]
+    # The first seed is the trial's own: the same run, the same validation score.
+    assert report["runs"][0]["validation"] == pytest.approx(best.value, abs=1e-4)
+    assert report["runs"][0]["epoch"] == best.user_attrs["value_epoch"]
+    assert report["data"]["posts"] == {"train": 44, "validation": 20, "test": 16}
+    exported = report["exported"]
+    for name in ("macro_f1", "micro_f1"):
+        low, high = exported["test_interval_95"][name]
+        assert low <= exported["test"][name] <= high
+    assert set(exported["per_symptom"]) == set(exported["thresholds"])
+    assert report["baseline"]["name"] == "all_positive"
+    assert f"test macro_f1 {exported['test']['macro_f1']:.4f}" in shown
+
+    result = subprocess.run(
+        [sys.executable, "-c", PIPELINE, str(output), str(small_data)], capture_output=True,
+        text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    predicted = {i: set(labels) for i, labels in
+                 json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    gold = gold_symptoms(small_data, report["data"]["test_post_ids"])
+    assert macro_f1(predicted, gold, list(exported["thresholds"])) == pytest.approx(
+        exported["test"]["macro_f1"], abs=1e-4)
+
+    config = json.loads((output / "config.json").read_text())
+    assert {name: int(i) for i, name in config["id2label"].items()} == config["label2id"]
+    assert set(config["label2id"]) == set(exported["thresholds"])
+    card = (output / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\n")
+    assert f"{exported['test']['macro_f1']:.4f}" in card
+
+
+def test_refit_trains_on_training_and_validation_with_thresholds_at_half(study, tmp_path):
+    study_file, storage = study
+    output = tmp_path / "model"
+    assert final(study_file, storage, "--refit", "--seeds", "1", "--output", str(output)) == 0
+    report = json.loads((output / "report.json").read_text())
+    assert report["refit"] is True and report["thresholds"] == "0.5"
+    (run,) = report["runs"]
+    assert run["validation"] is None
+    best = optuna.load_study(study_name="tiny", storage=storage).best_trial
+    assert run["epochs"] == best.user_attrs["value_epoch"]
+    assert set(report["exported"]["thresholds"].values()) == {0.5}
+    assert report["exported"]["test"] == report["exported"]["test_at_0.5"]
+
+
+def test_a_chosen_trial_is_trained_instead_of_the_best(study, tmp_path):
+    study_file, storage = study
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    other = next(t for t in trials if t.number != optuna.load_study(
+        study_name="tiny", storage=storage).best_trial.number)
+    output = tmp_path / "model"
+    assert final(study_file, storage, "--trial", str(other.number), "--seeds", "1",
+                 "--output", str(output)) == 0
+    report = json.loads((output / "report.json").read_text())
+    assert report["trial"] == other.number
+    assert report["params"]["learning_rate"] == other.params["learning_rate"]
+
+
+def one_line_error(capsys, *fragments) -> None:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("hpo")
+    for fragment in fragments:
+        assert fragment in err[0]
+
+
+def test_a_study_without_a_complete_trial(study_file_only, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'empty.db'}"
+    assert main(["create", "--config", str(study_file_only), "--storage", storage,
+                 "--skip-check"]) == 0
+    capsys.readouterr()
+    assert final(study_file_only, storage, "--output", str(tmp_path / "m")) == 2
+    one_line_error(capsys, "has no COMPLETE trial")
+
+
+@pytest.fixture
+def study_file_only(searched):
+    return searched[0]
+
+
+@pytest.mark.parametrize("trial, fragment", [("7", "has no trial 7"),
+                                             ("x", "expected a trial number")])
+def test_an_unknown_trial(study, tmp_path, capsys, trial, fragment):
+    study_file, storage = study
+    assert final(study_file, storage, "--trial", trial, "--output", str(tmp_path / "m")) == 2
+    one_line_error(capsys, fragment)
+
+
+def test_a_trial_that_did_not_complete(study, tmp_path, capsys):
+    study_file, storage = study
+    loaded = optuna.load_study(study_name="tiny", storage=storage)
+    pruned = loaded.ask()
+    loaded.tell(pruned, state=optuna.trial.TrialState.PRUNED)
+    assert final(study_file, storage, "--trial", str(pruned.number),
+                 "--output", str(tmp_path / "m")) == 2
+    one_line_error(capsys, f"trial {pruned.number}", "is PRUNED, not COMPLETE")
+
+
+def test_an_output_that_cannot_be_written(study, tmp_path, capsys):
+    study_file, storage = study
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert final(study_file, storage, "--output", str(blocker / "model")) == 2
+    one_line_error(capsys, f"--output {blocker / 'model'}: cannot write there")
+
+
+def test_refit_with_tuned_thresholds_is_refused(study, capsys):
+    study_file, storage = study
+    assert final(study_file, storage, "--refit", "--thresholds", "tuned") == 2
+    one_line_error(capsys, "--thresholds tuned needs the validation split")
+
+
+def test_another_data_split_than_the_search_s_is_refused(study, tmp_path, capsys):
+    study_file, storage = study
+    assert final(study_file, storage, "--set", "data.split_seed=99",
+                 "--output", str(tmp_path / "m")) == 2
+    one_line_error(capsys, "searched on another data split")
+
+
+def test_no_test_split_to_score_on(study, tmp_path, capsys):
+    study_file, storage = study
+    assert final(study_file, storage, "--set", "data.test_fraction=0",
+                 "--output", str(tmp_path / "m")) == 2
+    one_line_error(capsys, "data.test_fraction is 0")
+
+
+def test_hpo_final_is_in_the_help():
+    result = subprocess.run([sys.executable, "-m", "hpo.cli", "final", "--help"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert "--refit" in result.stdout and "--seeds" in result.stdout
