@@ -11,11 +11,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import optuna
 import pytest
 from conftest import REPO, require_command
 
+from hpo.artifacts import kept
 from hpo.cli import main
 
 
@@ -100,17 +102,23 @@ def test_the_dashboard_is_read_only_unless_writes_are_allowed(results):
                                {"user_attrs": {"note": "x"}})
         assert status == 403 and "read-only" in body and "--allow-writes" in body
         status, body = request("DELETE", f"{base}/api/studies/{study._study_id}")
-        assert status == 403 and "delete_study refused" in body
+        # optuna-dashboard removes the study's artifacts first: that is refused already.
+        assert status == 403 and "removing an artifact refused" in body
     after = optuna.load_study(study_name="tiny", storage=results).trials
     assert [(t.state, t.user_attrs) for t in after] == [
         (t.state, t.user_attrs) for t in study.trials]
+    (entry,) = kept(study).values()
+    store = Path(results.removeprefix("sqlite:///")).with_name("dash-artifacts")
+    assert (store / entry["artifact_id"]).is_file(), "the read-only dashboard removed a model"
     with served(results, "--allow-writes") as base:
         status, _ = request("DELETE", f"{base}/api/studies/{study._study_id}")
         assert status == 204
     assert optuna.get_all_study_names(storage=results) == []
+    assert not (store / entry["artifact_id"]).exists()
 
 
-def test_dashboard_shows_trials_parameters_attributes_and_the_oom_prune(dashboard, tmp_path):
+def test_dashboard_shows_trials_parameters_attributes_and_the_oom_prune(dashboard, results,
+                                                                         tmp_path):
     studies = rendered_text(f"{dashboard}/dashboard", tmp_path / "p0")
     assert "tiny" in studies
 
@@ -121,6 +129,17 @@ def test_dashboard_shows_trials_parameters_attributes_and_the_oom_prune(dashboar
                  "grad_accum_steps", "padding_efficiency"):
         assert text in completed, text
     assert "prune_reason" not in completed
+
+    # The completed trial's model, kept in the artifact store beside the SQLite file, is
+    # listed on its trial and served for download.
+    assert "trial-0.zip" in completed
+    study = optuna.load_study(study_name="tiny", storage=results)
+    (entry,) = kept(study).values()
+    trial_id = study.trials[0]._trial_id
+    with urllib.request.urlopen(
+            f"{dashboard}/artifacts/{study._study_id}/{trial_id}/{entry['artifact_id']}",
+            timeout=10) as answer:
+        assert answer.read(2) == b"PK"  # a zip archive
 
     pruned = rendered_text(f"{dashboard}/dashboard/studies/1/trials?numbers=1", tmp_path / "p2")
     assert "Trial 1" in pruned and "Pruned" in pruned
@@ -152,3 +171,27 @@ def test_every_write_of_the_storage_api_is_refused_and_every_read_is_not():
             continue
         refused = getattr(ReadOnlyStorage, name).__code__.co_name == "refuse"
         assert refused == (not name.startswith("get_") and name not in reads), name
+
+
+def test_the_dashboard_s_artifact_store_is_read_only_unless_writes_are_allowed(tmp_path):
+    import io
+
+    import bottle
+
+    from hpo.artifacts import open_store
+    from hpo.dashboard import DashboardArtifactStore
+
+    store = open_store(str(tmp_path / "store"))
+    store.write("a1", io.BytesIO(b"model"))
+    read_only = DashboardArtifactStore(store, writable=False)
+    assert read_only.open_reader("a1").read() == b"model"
+    for attempt in (lambda: read_only.remove("a1"),
+                    lambda: read_only.write("a2", io.BytesIO(b"x"))):
+        with pytest.raises(bottle.HTTPError) as refused:
+            attempt()
+        assert refused.value.status_code == 403
+    assert (tmp_path / "store" / "a1").is_file()
+    writable = DashboardArtifactStore(store, writable=True)
+    writable.remove("a1")
+    writable.remove("a1")  # a model removed when it fell out of the best: no error
+    assert not (tmp_path / "store" / "a1").exists()

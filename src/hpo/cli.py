@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -154,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--host", default="127.0.0.1",
                            help="interface to bind (the dashboard has no authentication)")
     dashboard.add_argument("--port", type=_port, default=8080)
+    dashboard.add_argument("--artifacts", default=None,
+                           help="the artifact store of kept models (else HPO_ARTIFACTS, else "
+                                "the directory beside a SQLite storage file)")
     dashboard.add_argument("--allow-writes", action="store_true",
                            help="let the dashboard tell trials, edit attributes and delete "
                                 "studies (read-only without it)")
@@ -453,6 +457,7 @@ def command_studies(args: argparse.Namespace) -> int:
 def command_delete(args: argparse.Namespace) -> int:
     import optuna
 
+    from hpo import artifacts
     from hpo.storage import redact
 
     opened, url = _open_for_reading(args)
@@ -467,15 +472,33 @@ def command_delete(args: argparse.Namespace) -> int:
         if answer.strip().lower() not in ("y", "yes"):
             print(f"hpo: {what} kept")
             return EXIT_UNEXPECTED
+    where = _artifact_location(args, url)
+    removed = 0
+    if where is not None and (where.startswith("s3://") or Path(where).is_dir()):
+        removed = artifacts.remove_all(study, opened, artifacts.open_store(where))
     optuna.delete_study(study_name=name, storage=opened)
-    print(f"deleted {what}")
+    print(f"deleted {what}" + (f" and its {removed} kept model(s) in {where}" if removed else ""))
     return EXIT_OK
+
+
+def _artifact_location(args: argparse.Namespace, url: str) -> str | None:
+    """The artifact store of the study's kept models: HPO_ARTIFACTS, the study file's
+    study.artifacts, else beside a SQLite storage file."""
+    from hpo import artifacts
+
+    configured = os.environ.get("HPO_ARTIFACTS")
+    path = getattr(args, "config", None) or (
+        config_module.find_study(args.study) if getattr(args, "study", None) else None)
+    if not configured and path is not None and path.is_file():
+        configured = config_module.load(path, name=getattr(args, "study", None)).study.artifacts
+    return artifacts.location(configured, url)
 
 
 def command_dashboard(args: argparse.Namespace) -> int:
     import optuna_dashboard
 
-    from hpo.dashboard import ReadOnlyStorage
+    from hpo import artifacts
+    from hpo.dashboard import DashboardArtifactStore, ReadOnlyStorage
     from hpo.storage import ResilientRDBStorage, redact
 
     kind = ResilientRDBStorage if args.allow_writes else ReadOnlyStorage
@@ -488,7 +511,13 @@ def command_dashboard(args: argparse.Namespace) -> int:
     mode = "edits allowed" if args.allow_writes else "read-only; --allow-writes to edit"
     print(f"optuna-dashboard for {redact(url)} on http://{args.host}:{args.port}/dashboard "
           f"({mode}; Ctrl-C stops it)", flush=True)
-    optuna_dashboard.run_server(opened, host=args.host, port=args.port)
+    where = args.artifacts or _artifact_location(args, url)
+    store = None
+    if where is not None and (where.startswith("s3://") or Path(where).is_dir()):
+        store = DashboardArtifactStore(artifacts.open_store(where, writable=False),
+                                       writable=args.allow_writes)
+        print(f"kept models from the artifact store {where}", flush=True)
+    optuna_dashboard.run_server(opened, host=args.host, port=args.port, artifact_store=store)
     return EXIT_OK
 
 

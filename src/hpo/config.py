@@ -129,6 +129,11 @@ class StudySection(_Section):
     heartbeat_interval: Annotated[int, Field(ge=1)] = 30
     grace_period: Annotated[int, Field(ge=1)] = 120
     max_retry: Annotated[int, Field(ge=0)] = 2
+    # The weights of the study's best K COMPLETE trials are kept in the artifact store: a
+    # directory (a shared volume for a fleet) or s3://BUCKET; by default a directory beside
+    # a SQLite storage file, and none for a server storage.
+    keep_best: Annotated[int, Field(ge=0)] = 1
+    artifacts: str | None = None
 
     @model_validator(mode="after")
     def _grace(self) -> StudySection:
@@ -211,6 +216,7 @@ def study_path(name: str) -> Path:
 ENVIRONMENT = {
     "HPO_HEARTBEAT_INTERVAL": "study.heartbeat_interval",
     "HPO_GRACE_PERIOD": "study.grace_period",
+    "HPO_ARTIFACTS": "study.artifacts",
 }
 
 

@@ -8,16 +8,21 @@ write is refused at the storage (HTTP 403 with the reason, shown in the page);
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import bottle
+from optuna.artifacts.exceptions import ArtifactNotFound
 from optuna.storages import RDBStorage
 
 from hpo.storage import ResilientRDBStorage
+
+if TYPE_CHECKING:
+    from optuna.artifacts._protocol import ArtifactStore
 
 REFUSAL = "this dashboard is read-only; restart it with `hpo dashboard --allow-writes` to edit"
 
@@ -50,3 +55,31 @@ class ReadOnlyStorage(ResilientRDBStorage):
 for _name in sorted({*_writes(RDBStorage), "upgrade"}):
     setattr(ReadOnlyStorage, _name, _refused(_name))
 
+
+
+class DashboardArtifactStore:
+    """The artifact store of the kept models as the dashboard gets it: writes and removals
+    refused unless writes are allowed (optuna-dashboard removes a study's artifacts before
+    it deletes the study, so a read-only dashboard would lose them even though the study
+    stays); and removing a model already removed from the store (one that fell out of the
+    best, still listed on its trial) is no error."""
+
+    def __init__(self, store: ArtifactStore, *, writable: bool) -> None:
+        self._store = store
+        self._writable = writable
+
+    def open_reader(self, artifact_id: str) -> BinaryIO:
+        return self._store.open_reader(artifact_id)
+
+    def write(self, artifact_id: str, content_body: BinaryIO) -> None:
+        self._refuse_unless_writable("writing an artifact")
+        self._store.write(artifact_id, content_body)
+
+    def remove(self, artifact_id: str) -> None:
+        self._refuse_unless_writable("removing an artifact")
+        with contextlib.suppress(ArtifactNotFound):
+            self._store.remove(artifact_id)
+
+    def _refuse_unless_writable(self, what: str) -> None:
+        if not self._writable:
+            raise bottle.HTTPError(403, f"{REFUSAL} ({what} refused)")

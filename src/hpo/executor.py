@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import optuna
@@ -24,7 +25,7 @@ import psutil
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import check, faults, memory, metrics
+from hpo import artifacts, check, export, faults, memory, metrics
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.errors import one_line
@@ -269,15 +270,15 @@ def train_trial(
     the best or the last epoch's score (`study.objective_epoch`). The pruner sees the same
     rule applied to the epochs so far, so it compares what the trial's value would be."""
     plan, device = planned.plan, resources.device
-    model = resources.models.build(
+    base = resources.models.build(
         planned.params.model_name, planned.train_data.labels.shape[1], seed=planned.training.seed
     )
     # What the model and optimizer got, which the family and the device decide: transformers
     # keeps the attention in a private config field (models.py reads it too); the family
     # tests fail if it moves.
-    trial.set_user_attr("attention_implementation", model.config._attn_implementation)
+    trial.set_user_attr("attention_implementation", base.config._attn_implementation)
     trial.set_user_attr("fused_adamw", fused_adamw(device.type))
-    model = prepare(model, plan, device)
+    model = prepare(base, plan, device)
     gold = resources.gold()
     objective = resources.config.study.objective
     rule = resources.config.study.objective_epoch
@@ -295,8 +296,17 @@ def train_trial(
         values = [s.get(objective) for s in scores]
         return values[metrics.chosen_epoch(values, rule)]
 
+    keeper = resources.keeper
+    # The weights of the value's epoch, if an earlier one than the last, for the keeper.
+    value_weights: dict[str, torch.Tensor] = {}
+
     def on_epoch(epoch: int, score: float) -> None:
         reporter.epoch(trial.number, epoch, plan.epochs, score)
+        if keeper is not None and rule == "best" and epoch < plan.epochs and (
+                metrics.chosen_epoch([s.get(objective) for s in scores], rule) == epoch - 1):
+            value_weights.clear()
+            value_weights.update({k: v.detach().to("cpu", copy=True)
+                                  for k, v in base.state_dict().items()})
         write_kept(trial, lambda: trial.report(value(), epoch), lock)
         # After the last epoch the compute is spent: the result is kept, not pruned.
         if epoch < plan.epochs and trial.should_prune():
@@ -317,7 +327,36 @@ def train_trial(
         _warn_eager(trial, model, reporter, warned)
         write_kept(trial, lambda: _record_progress(trial, progress, scores, objective, rule,
                                                    model), lock)
+    if keeper is not None:
+        values = [s.get(objective) for s in scores]
+        chosen = metrics.chosen_epoch(values, rule)
+        if chosen < len(values) - 1:
+            base.load_state_dict(value_weights)
+        _keep(trial, planned, resources, keeper, base, value(), chosen + 1, reporter, lock)
     return value()
+
+
+def _keep(trial: optuna.Trial, planned: TrialPlan, resources: Resources,
+          keeper: artifacts.Keeper, model: torch.nn.Module, value: float, epoch: int,
+          reporter: Reporter, lock: Lock) -> None:
+    """Keep the trial's model if it ranks in the study's best; a failure to keep it is a
+    warning and an attribute, never the trial's failure."""
+    data = resources.config.data
+
+    def save(directory: Path) -> None:
+        export.save_model(directory, model, planned.params.model_name, resources.label_names,
+                          task=data.task, max_length=data.max_length,
+                          thresholds=dict.fromkeys(resources.label_names, 0.5))
+        (directory / "hpo-trial.json").write_text(artifacts.settings(
+            trial, value, epoch, planned.training.model_dump(mode="json")))
+
+    try:
+        artifacts.keep(trial, value, keeper, save, lock)
+    except Exception as exc:
+        reporter.warning(f"trial {trial.number}: its model could not be kept in "
+                         f"{keeper.where}: {one_line(exc)}")
+        with contextlib.suppress(Exception):
+            trial.set_user_attr("checkpoint_error", one_line(exc))
 
 
 def _warn_eager(trial: optuna.Trial, model: torch.nn.Module, reporter: Reporter,

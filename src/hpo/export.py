@@ -32,12 +32,22 @@ def check_writable(directory: Path) -> None:
 
 def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
           label_names: tuple[str, ...]) -> None:
-    """Save the model (float32 weights, safetensors), its tokenizer cutting at the study's
-    max_length (so a pipeline with truncation=True reads what the model was trained on), the
-    report and the model card."""
+    """The final model with its report and model card."""
+    save_model(directory, model, report["params"]["model_name"], label_names,
+               task=report["data"]["task"], max_length=report["data"]["max_length"],
+               thresholds=report["exported"]["thresholds"])
+    (directory / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    (directory / CARD).write_text(model_card(report))
+
+
+def save_model(directory: Path, model: torch.nn.Module, model_name: str,
+               label_names: tuple[str, ...], *, task: str, max_length: int,
+               thresholds: dict[str, float]) -> None:
+    """Save the model (float32 weights, safetensors) with the symptom names as its labels and
+    its thresholds in its config, and its tokenizer cutting at the study's max_length (so a
+    pipeline with truncation=True reads what the model was trained on)."""
     config = model.config
-    thresholds = report["exported"]["thresholds"]
-    if report["data"]["task"] == "multilabel":
+    if task == "multilabel":
         config.id2label = dict(enumerate(label_names))
         config.label2id = {name: i for i, name in enumerate(label_names)}
     else:
@@ -45,12 +55,8 @@ def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
     config.problem_type = "multi_label_classification"  # a sigmoid per label in a pipeline
     config.decision_thresholds = thresholds
     model.to(torch.float32).save_pretrained(directory)
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolve(report["params"]["model_name"]),
-        model_max_length=report["data"]["max_length"])
+    tokenizer = AutoTokenizer.from_pretrained(resolve(model_name), model_max_length=max_length)
     tokenizer.save_pretrained(directory)
-    (directory / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    (directory / CARD).write_text(model_card(report))
 
 
 def model_card(report: dict[str, Any]) -> str:

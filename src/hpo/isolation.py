@@ -150,7 +150,7 @@ def _die_with_parent(parent: int) -> None:
 def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _Attempt,
                 sender: multiprocessing.connection.Connection) -> None:
     _die_with_parent(parent)
-    from hpo import hardware, models
+    from hpo import artifacts, hardware, models
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
     from hpo.storage import OUTAGE_SECONDS, open_storage
@@ -169,6 +169,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
+    resources.keeper = artifacts.keeper_for(config, payload["url"])
     trial = optuna.trial.Trial(study, trial_id)
     with heartbeat(storage, trial):
         outcome, told = execute(study, trial, resources, ConsoleReporter(),

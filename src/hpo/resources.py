@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hpo import memory, metrics
+from hpo.artifacts import Keeper
 from hpo.config import StudyConfig
 from hpo.data import token_cache
 from hpo.data.batching import Encoded
@@ -33,6 +34,7 @@ class Resources:
     label_names: tuple[str, ...]
     models: ModelStore = field(default_factory=ModelStore)
     token_cache_dir: Path | None = field(default_factory=token_cache.default_dir)
+    keeper: Keeper | None = None  # where the best trials' models are kept, if anywhere
     _encoded: dict[str, tuple[Encoded, Encoded]] = field(default_factory=dict)
 
     def encoded(self, model_name: str) -> tuple[Encoded, Encoded, str]:

@@ -9,6 +9,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from hpo.artifacts import kept
 from hpo.budget import count
 
 # What a final training run needs besides the sampled parameters.
@@ -36,6 +37,7 @@ def best(study: optuna.Study) -> dict[str, Any] | None:
         },
         "training": attrs.get("training", {}),
         "scores": {k: attrs[k] for k in ("macro_f1", "micro_f1", "f1_per_symptom") if k in attrs},
+        "kept_model": kept(study).get(trial.number),
     }
 
 

@@ -19,7 +19,7 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import budget, check, faults, hardware, isolation
+from hpo import artifacts, budget, check, faults, hardware, isolation
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
 from hpo.errors import Terminated, one_line
@@ -93,6 +93,14 @@ def work(
                          f"{storage.grace_period} s: the study's, fixed when it was created "
                          f"(this worker asked for {own[0]} s and {own[1]} s)")
     resources = load_resources(config, pinned, device, splits)
+    resources.keeper = artifacts.keeper_for(config, url)
+    if resources.keeper is not None:
+        reporter.message(f"the models of the best {resources.keeper.best} trial(s) are kept "
+                         f"in the artifact store {resources.keeper.where}")
+    elif config.study.keep_best:
+        reporter.message("no trial's model is kept: a server storage has no artifact store "
+                         "unless study.artifacts (or HPO_ARTIFACTS) names one, a directory "
+                         "every worker shares or s3://BUCKET")
     data = config.data
     finished = finished_count(study)
     goal = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"

@@ -1,0 +1,160 @@
+"""Best checkpoints during the search: the model of each of the study's best `keep_best`
+COMPLETE trials (weights, tokenizer and resolved settings, one zip), kept in an Optuna artifact
+store, so optuna-dashboard lists it on its trial and any worker or machine can fetch it.
+
+The store is a directory (a volume shared by the fleet) or an S3-compatible bucket through
+Optuna's Boto3 store (`s3://BUCKET`; the endpoint from AWS_ENDPOINT_URL, credentials as boto3
+finds them). The study's user attribute `kept_models` says which trials' models are kept;
+one that falls out of the top K has its file removed from the store. Optuna does not let a
+finished trial's attributes change, so the dashboard still lists a removed model on its trial
+(its download then fails); `kept_models` and `hpo best` tell what is there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+import sqlalchemy
+from optuna.artifacts.exceptions import ArtifactNotFound
+
+from hpo.config import StudyConfig
+from hpo.errors import ConfigError, one_line
+
+if TYPE_CHECKING:
+    from optuna.artifacts._protocol import ArtifactStore
+
+KEPT = "kept_models"
+
+
+def location(configured: str | None, storage_url: str) -> str | None:
+    """The store's location: as configured (study.artifacts, HPO_ARTIFACTS), else a directory
+    beside a SQLite storage file (`hpo.db` -> `hpo-artifacts/`), else none."""
+    if configured:
+        return configured
+    url = sqlalchemy.engine.make_url(storage_url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    database = Path(url.database)
+    return str(database.with_name(f"{database.stem}-artifacts"))
+
+
+def open_store(where: str, *, writable: bool = True) -> ArtifactStore:
+    """The artifact store at `where`, checked writable (a probe written and removed) unless
+    only read: a store that cannot be written is bad input, found before any trial runs."""
+    if where.startswith("s3://"):
+        bucket = where.removeprefix("s3://").strip("/")
+        if not bucket or "/" in bucket:
+            raise ConfigError(f"study.artifacts {where}: expected s3://BUCKET (no prefix)")
+        try:
+            import boto3
+        except ImportError:
+            raise ConfigError(f"study.artifacts {where}: an S3 store needs boto3 "
+                              f"(pip install boto3)") from None
+        store: ArtifactStore = optuna.artifacts.Boto3ArtifactStore(
+            bucket, client=boto3.client("s3"))
+    else:
+        try:
+            Path(where).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"study.artifacts {where}: cannot create the directory "
+                              f"({exc.strerror or exc})") from None
+        store = optuna.artifacts.FileSystemArtifactStore(where)
+    if not writable:
+        return store
+    probe = "hpo-write-check"
+    try:
+        store.write(probe, io.BytesIO(b"ok"))
+        store.remove(probe)
+    except Exception as exc:
+        raise ConfigError(f"study.artifacts {where}: the artifact store cannot be written "
+                          f"({one_line(exc)})") from None
+    return store
+
+
+@dataclass(frozen=True)
+class Keeper:
+    """Where and how many of the best trials' models to keep."""
+
+    store: ArtifactStore
+    where: str
+    best: int
+
+
+def keeper_for(config: StudyConfig, storage_url: str) -> Keeper | None:
+    """The study's keeper: None with keep_best 0, or with no store configured for a server
+    storage."""
+    if config.study.keep_best == 0:
+        return None
+    where = location(config.study.artifacts, storage_url)
+    if where is None:
+        return None
+    return Keeper(open_store(where), where, config.study.keep_best)
+
+
+def kept(study: optuna.Study) -> dict[int, dict[str, Any]]:
+    """The trials whose models are in the store: number -> artifact id and value."""
+    return {int(k): v for k, v in study.user_attrs.get(KEPT, {}).items()}
+
+
+def keep(trial: optuna.Trial, value: float, keeper: Keeper,
+         save: Callable[[Path], None],
+         lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+         ) -> str | None:
+    """Upload the trial's model (written by `save` into a directory) if its value ranks in
+    the study's top K, and remove the models that fall out of it. Called before the trial is
+    told, while its attributes may still be written. Returns the artifact id, or None when
+    the trial does not rank. Under the study `lock`: workers finishing at once rank in turn."""
+    study = trial.study
+    with lock():
+        finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        # Earlier results win ties: a later equal one would only replace it.
+        better = sum(t.value is not None and t.value >= value for t in finished
+                     if t.number != trial.number)
+        if better >= keeper.best:
+            return None
+        with tempfile.TemporaryDirectory(prefix="hpo-checkpoint-") as scratch:
+            model_dir = Path(scratch) / f"trial-{trial.number}"
+            save(model_dir)
+            archive = shutil.make_archive(str(model_dir), "zip", model_dir)
+            artifact_id = optuna.artifacts.upload_artifact(
+                artifact_store=keeper.store, file_path=archive, study_or_trial=trial)
+        models = kept(study)
+        models[trial.number] = {"artifact_id": artifact_id, "value": value}
+        ranked = sorted(models.items(), key=lambda item: (-item[1]["value"], item[0]))
+        for _, entry in ranked[keeper.best:]:
+            with contextlib.suppress(ArtifactNotFound):
+                keeper.store.remove(entry["artifact_id"])
+        study.set_user_attr(KEPT, {str(n): e for n, e in ranked[:keeper.best]})
+    return artifact_id
+
+
+def remove_all(study: optuna.Study, storage: optuna.storages.BaseStorage,
+               store: ArtifactStore) -> int:
+    """Remove the files of every artifact of the study's trials from the store (the study is
+    about to be deleted); returns how many were there."""
+    removed = 0
+    for trial in study.get_trials(deepcopy=False):
+        for meta in optuna.artifacts.get_all_artifact_meta(trial, storage=storage):
+            with contextlib.suppress(ArtifactNotFound):
+                store.remove(meta.artifact_id)
+                removed += 1
+    return removed
+
+
+def settings(trial: optuna.Trial, value: float, value_epoch: int,
+             training: dict[str, Any]) -> str:
+    """What the kept model is: enough to load it and to train it again."""
+    return json.dumps({
+        "study": trial.study.study_name, "trial": trial.number, "value": value,
+        "value_epoch": value_epoch, "params": trial.params, "training": training,
+    }, indent=2) + "\n"
