@@ -52,7 +52,7 @@ def validation_score(model_dir, study_file) -> float:
     return metrics.f1_scores(probabilities > 0.5, encoded.labels.bool(), names).macro_f1
 
 
-def test_the_best_trials_models_are_kept_and_the_others_removed(study_file, tmp_path):
+def test_the_best_trials_models_are_kept_and_the_others_removed(study_file, tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
     assert run(study_file, storage, 5, "--set", "study.keep_best=2") == 0
     study = optuna.load_study(study_name="tiny", storage=storage)
@@ -82,8 +82,10 @@ def test_the_best_trials_models_are_kept_and_the_others_removed(study_file, tmp_
     # The weights are those of the epoch the trial's value came from, not the last epoch's.
     assert validation_score(tmp_path / "best", study_file) == pytest.approx(best.value,
                                                                             abs=1e-6)
+    capsys.readouterr()
     assert main(["best", "--config", str(study_file), "--storage", storage,
                  "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept_model"] == models[best.number]
 
 
 def test_keep_best_zero_keeps_nothing(study_file, tmp_path):
@@ -150,3 +152,27 @@ def test_deleting_the_study_removes_its_kept_models(study_file, tmp_path, capsys
     assert main(["delete", "--config", str(study_file), "--storage", storage, "--yes"]) == 0
     assert "kept model(s) in" in capsys.readouterr().out
     assert not any(store.iterdir())
+
+
+def test_ranking_keeps_the_best_k_whatever_the_order_of_finishing(tmp_path):
+    from hpo.artifacts import Keeper, keep, open_store
+
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
+    keeper = Keeper(open_store(str(tmp_path / "store")), str(tmp_path / "store"), 2)
+
+    def save(directory):
+        directory.mkdir()
+        (directory / "weights").write_text("w")
+
+    ids = {}
+    for value in (0.5, 0.7, 0.6, 0.4, 0.7):
+        trial = study.ask()
+        ids[trial.number] = keep(trial, value, keeper, save)
+        study.tell(trial, value)
+    # 0.4 ranks below two others and is not uploaded; the later 0.7 ties the first and wins
+    # second place over 0.6, whose model is removed.
+    assert ids[3] is None
+    assert sorted(kept(study)) == [1, 4]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == sorted(
+        [ids[1], ids[4]])

@@ -235,3 +235,34 @@ def test_a_trial_reaped_while_it_ran_whose_retry_was_taken_is_dropped_with_a_war
             "retry was already claimed by another worker: this run's result is dropped"
             ) in captured.err
     assert "trial 0 value" not in captured.out
+
+
+def test_cross_validation_scores_each_fold_and_searches_the_batch_once(
+        one_model_study, storage, monkeypatch):
+    import hpo.executor
+
+    searches = []
+    original = hpo.executor._find_batch
+    monkeypatch.setattr(hpo.executor, "_find_batch",
+                        lambda *a, **k: searches.append(1) or original(*a, **k))
+    assert run(one_model_study, storage, 2, "--set", "data.cv_folds=3") == 0
+    ended = trials(storage)
+    assert len(searches) == len(ended) == 2  # once per trial, not once per fold
+    for trial in ended:
+        assert trial.state == TrialState.COMPLETE
+        folds = trial.user_attrs["fold_scores"]
+        assert len(folds) == 3
+        assert trial.value == pytest.approx(sum(folds) / 3, abs=1e-4)
+        assert list(trial.intermediate_values) == [1, 2, 3]
+        assert trial.intermediate_values[3] == pytest.approx(trial.value)
+        assert len(trial.user_attrs["fold_value_epochs"]) == 3
+
+
+def test_a_cross_validated_trial_is_pruned_after_its_first_fold(one_model_study, storage,
+                                                                monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    assert run(one_model_study, storage, 1, "--set", "data.cv_folds=3") == 0
+    (trial,) = trials(storage)
+    assert trial.state == TrialState.PRUNED and trial.user_attrs["prune_reason"] == "pruner"
+    assert list(trial.intermediate_values) == [1]
+    assert len(trial.user_attrs["fold_scores"]) == 1

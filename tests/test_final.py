@@ -223,3 +223,19 @@ def test_hpo_final_is_in_the_help():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
     assert "--refit" in result.stdout and "--seeds" in result.stdout
+
+
+def test_an_earlier_export_is_replaced_whole_and_a_foreign_directory_refused(
+        study, tmp_path, capsys):
+    study_file, storage = study
+    output = tmp_path / "model"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    assert final(study_file, storage, "--seeds", "1", "--output", str(output)) == 2
+    one_line_error(capsys, f"--output {output}: not empty and not an earlier hpo final export")
+    (output / "notes.txt").unlink()
+    assert final(study_file, storage, "--seeds", "1", "--output", str(output)) == 0
+    (output / "stale.bin").write_text("from an earlier export")
+    assert final(study_file, storage, "--seeds", "1", "--output", str(output)) == 0
+    assert not (output / "stale.bin").exists() and (output / "report.json").is_file()
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())

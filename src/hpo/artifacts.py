@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 import tempfile
+import uuid
+import zipfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -60,8 +61,9 @@ def open_store(where: str, *, writable: bool = True) -> ArtifactStore:
         except ImportError:
             raise ConfigError(f"study.artifacts {where}: an S3 store needs boto3 "
                               f"(pip install boto3)") from None
+        # avoid_buf_copy: a model of a few GB is streamed, not first copied into memory.
         store: ArtifactStore = optuna.artifacts.Boto3ArtifactStore(
-            bucket, client=boto3.client("s3"))
+            bucket, client=boto3.client("s3"), avoid_buf_copy=True)
     else:
         try:
             Path(where).mkdir(parents=True, exist_ok=True)
@@ -71,7 +73,8 @@ def open_store(where: str, *, writable: bool = True) -> ArtifactStore:
         store = optuna.artifacts.FileSystemArtifactStore(where)
     if not writable:
         return store
-    probe = "hpo-write-check"
+    # Its own name: workers starting at once each write and remove theirs.
+    probe = f"hpo-write-check-{uuid.uuid4()}"
     try:
         store.write(probe, io.BytesIO(b"ok"))
         store.remove(probe)
@@ -113,21 +116,28 @@ def keep(trial: optuna.Trial, value: float, keeper: Keeper,
     """Upload the trial's model (written by `save` into a directory) if its value ranks in
     the study's top K, and remove the models that fall out of it. Called before the trial is
     told, while its attributes may still be written. Returns the artifact id, or None when
-    the trial does not rank. Under the study `lock`: workers finishing at once rank in turn."""
+    the trial does not rank (or no longer does once the list is updated). The upload runs
+    outside the study `lock` (a large model takes a while, and other workers claim trials
+    under it); the list of kept models is updated under it, so workers finishing at once end
+    with the best K whatever their order."""
     study = trial.study
+    finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    # Earlier results win ties: a later equal one would only replace it.
+    better = sum(t.value is not None and t.value >= value for t in finished
+                 if t.number != trial.number)
+    if better >= keeper.best:
+        return None
+    with tempfile.TemporaryDirectory(prefix="hpo-checkpoint-") as scratch:
+        model_dir = Path(scratch) / f"trial-{trial.number}"
+        save(model_dir)
+        archive = model_dir.with_suffix(".zip")
+        # Stored, not deflated: weights hardly compress, and the trial is still running.
+        with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as bundle:
+            for path in sorted(model_dir.rglob("*")):
+                bundle.write(path, path.relative_to(model_dir))
+        artifact_id = optuna.artifacts.upload_artifact(
+            artifact_store=keeper.store, file_path=str(archive), study_or_trial=trial)
     with lock():
-        finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        # Earlier results win ties: a later equal one would only replace it.
-        better = sum(t.value is not None and t.value >= value for t in finished
-                     if t.number != trial.number)
-        if better >= keeper.best:
-            return None
-        with tempfile.TemporaryDirectory(prefix="hpo-checkpoint-") as scratch:
-            model_dir = Path(scratch) / f"trial-{trial.number}"
-            save(model_dir)
-            archive = shutil.make_archive(str(model_dir), "zip", model_dir)
-            artifact_id = optuna.artifacts.upload_artifact(
-                artifact_store=keeper.store, file_path=archive, study_or_trial=trial)
         models = kept(study)
         models[trial.number] = {"artifact_id": artifact_id, "value": value}
         ranked = sorted(models.items(), key=lambda item: (-item[1]["value"], item[0]))
@@ -135,7 +145,7 @@ def keep(trial: optuna.Trial, value: float, keeper: Keeper,
             with contextlib.suppress(ArtifactNotFound):
                 keeper.store.remove(entry["artifact_id"])
         study.set_user_attr(KEPT, {str(n): e for n, e in ranked[:keeper.best]})
-    return artifact_id
+    return artifact_id if trial.number in dict(ranked[:keeper.best]) else None
 
 
 def remove_all(study: optuna.Study, storage: optuna.storages.BaseStorage,

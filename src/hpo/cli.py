@@ -23,7 +23,7 @@ import yaml
 
 from hpo import config as config_module
 from hpo.config import StudyConfig
-from hpo.errors import BAD_INPUT, ConfigError, Terminated
+from hpo.errors import BAD_INPUT, ConfigError, DataError, Terminated
 
 if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait for it
     from hpo.data.splits import Splits
@@ -219,6 +219,10 @@ def prepare(args: argparse.Namespace, *, runs_trials: bool = True) -> Prepared:
     posts = read_redsm5(data.dir, special_case=data.special_case)
     splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
                          seed=data.split_seed)
+    pooled = len(splits.train) + len(splits.validation)
+    if data.cv_folds and pooled < data.cv_folds:
+        raise DataError(f"data.cv_folds {data.cv_folds}: only {pooled} training and "
+                        f"validation posts, fewer than one per fold")
 
     import optuna
 
@@ -411,7 +415,7 @@ def command_final(args: argparse.Namespace) -> int:
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
     from hpo.space import PinnedSpace, declare
-    from hpo.study import check_splits
+    from hpo.study import check_splits, shared_batch_cache
 
     config = prepared.config
     if not prepared.splits.test:
@@ -424,12 +428,13 @@ def command_final(args: argparse.Namespace) -> int:
                          f"workers predate that): the test split is taken to be the one its "
                          f"search held out")
     output = args.output or Path("final") / optuna_study.study_name
-    export.check_writable(output)
+    export.check_output(output)
     pinned = PinnedSpace(declare(config.search_space, None).declared, None)
     resources = load_resources(config, pinned, prepared.device, prepared.splits)
     options = final.Options(number=args.trial, seeds=args.seeds, refit=args.refit,
                             tuned=not args.refit and args.thresholds != "0.5")
-    report, model = final.final(optuna_study, resources, prepared.splits, options, reporter)
+    report, model = final.final(optuna_study, resources, prepared.splits, options, reporter,
+                                shared_batch_cache(optuna_study, prepared.storage))
     export.write(output, model, report, resources.label_names)
     print(final.render(report))
     print(f"model, report.json and model card written to {output}")
@@ -512,6 +517,9 @@ def command_dashboard(args: argparse.Namespace) -> int:
     print(f"optuna-dashboard for {redact(url)} on http://{args.host}:{args.port}/dashboard "
           f"({mode}; Ctrl-C stops it)", flush=True)
     where = args.artifacts or _artifact_location(args, url)
+    if args.artifacts and not args.artifacts.startswith("s3://") and not Path(
+            args.artifacts).is_dir():
+        raise ConfigError(f"--artifacts {args.artifacts}: no such directory")
     store = None
     if where is not None and (where.startswith("s3://") or Path(where).is_dir()):
         store = DashboardArtifactStore(artifacts.open_store(where, writable=False),

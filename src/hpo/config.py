@@ -155,6 +155,9 @@ class DataConfig(_Section):
     test_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.15
     split_seed: int = 13
     max_length: Annotated[int, Field(ge=8, le=8192)] = 512
+    # K-fold cross-validation by post over the training and validation posts (the test split
+    # stays out): a trial's value is the mean over its folds. None: one validation split.
+    cv_folds: Annotated[int, Field(ge=2, le=20)] | None = None
 
     @model_validator(mode="after")
     def _fractions(self) -> DataConfig:

@@ -56,7 +56,6 @@ for _name in sorted({*_writes(RDBStorage), "upgrade"}):
     setattr(ReadOnlyStorage, _name, _refused(_name))
 
 
-
 class DashboardArtifactStore:
     """The artifact store of the kept models as the dashboard gets it: writes and removals
     refused unless writes are allowed (optuna-dashboard removes a study's artifacts before

@@ -53,6 +53,7 @@ class Reporter(Protocol):
     def step(self, number: int, progress: Progress, epochs: int) -> None: ...
     def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None: ...
     def warning(self, text: str) -> None: ...
+    def message(self, text: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,9 @@ def execute(
         planned = plan_trial(trial, resources, cache, watch)
         reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
         watch(planned.batch_key, planned.plan.physical_batch)
-        outcome = Outcome(TrialState.COMPLETE, value=train_trial(trial, planned, resources,
-                                                                 reporter, cache.lock))
+        run = train_folds if resources.config.data.cv_folds else train_trial
+        outcome = Outcome(TrialState.COMPLETE, value=run(trial, planned, resources, reporter,
+                                                         cache.lock))
     except optuna.TrialPruned:
         outcome = Outcome(TrialState.PRUNED, prune_reason="pruner")
     except check.Unusable as exc:
@@ -334,6 +336,86 @@ def train_trial(
             base.load_state_dict(value_weights)
         _keep(trial, planned, resources, keeper, base, value(), chosen + 1, reporter, lock)
     return value()
+
+
+def train_folds(
+    trial: optuna.Trial, planned: TrialPlan, resources: Resources, reporter: Reporter,
+    lock: Lock = contextlib.nullcontext,
+) -> float:
+    """Train the planned trial once per fold of `data.cv_folds` (one batch search for all,
+    done in planning); returns the mean of the folds' scores, each its best or last epoch's
+    (`study.objective_epoch`). The mean so far is reported after each fold, so the pruner
+    can stop a poor configuration after its first folds."""
+    plan, device = planned.plan, resources.device
+    names = resources.label_names
+    objective = resources.config.study.objective
+    rule = resources.config.study.objective_epoch
+    k = resources.config.data.cv_folds
+    fold_scores: list[float] = []
+    fold_epochs: list[int] = []
+    progress: Progress | None = None
+    seconds = 0.0
+    compile_failure: str | None = None
+
+    def on_step(latest: Progress) -> None:
+        nonlocal progress
+        progress = latest
+        reporter.step(trial.number, latest, plan.epochs)
+
+    def record() -> None:
+        trial.set_user_attr("fold_scores", [round(v, 4) for v in fold_scores])
+        trial.set_user_attr("fold_value_epochs", fold_epochs)
+        trial.set_user_attr("train_seconds", round(seconds, 3))
+        if progress is not None:  # of the last fold
+            trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
+            trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
+        if plan.compile:
+            trial.set_user_attr("compiled", compile_failure is None)
+            if compile_failure is not None:
+                trial.set_user_attr("compile_error", compile_failure)
+
+    try:
+        for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
+            scores: list[float] = []
+            base = resources.models.build(planned.params.model_name,
+                                          fold.train.labels.shape[1],
+                                          seed=planned.training.seed)
+            if index == 1:  # private config field: see train_trial
+                trial.set_user_attr("attention_implementation",
+                                    base.config._attn_implementation)
+                trial.set_user_attr("fused_adamw", fused_adamw(device.type))
+            model = prepare(base, plan, device)
+
+            def evaluate(m: torch.nn.Module, fold=fold, scores=scores) -> float:
+                probabilities = predict(m, fold.validation, plan.eval_batch, device,
+                                        plan.precision, planned.pad_id)
+                grid = metrics.as_grid(probabilities > 0.5, len(names))
+                scores.append(metrics.f1_scores(grid, fold.gold, names).get(objective))
+                return scores[-1]
+
+            pos_weight = (balanced_pos_weight(fold.train.labels)
+                          if planned.training.pos_weight == "balanced" else None)
+            train(model, fold.train, plan, device, pad_id=planned.pad_id, evaluate=evaluate,
+                  on_epoch=lambda epoch, score: reporter.epoch(trial.number, epoch,
+                                                               plan.epochs, score),
+                  on_step=on_step, pos_weight=pos_weight)
+            compile_failure = compile_failure or _warn_eager(trial, model, reporter,
+                                                             compile_failure)
+            seconds += progress.train_seconds if progress is not None else 0.0
+            del model, base
+            memory.release_memory()
+            fold_epochs.append(metrics.chosen_epoch(scores, rule) + 1)
+            fold_scores.append(scores[fold_epochs[-1] - 1])
+            mean = sum(fold_scores) / len(fold_scores)
+            reporter.message(f"  trial {trial.number} fold {index}/{k}: score "
+                             f"{fold_scores[-1]:.4f} (mean so far {mean:.4f})")
+            write_kept(trial, lambda mean=mean, step=index: trial.report(mean, step), lock)
+            # After the last fold the compute is spent: the result is kept, not pruned.
+            if index < k and trial.should_prune():
+                raise optuna.TrialPruned(f"pruned after fold {index}")
+    finally:
+        write_kept(trial, record, lock)
+    return sum(fold_scores) / len(fold_scores)
 
 
 def _keep(trial: optuna.Trial, planned: TrialPlan, resources: Resources,

@@ -5,6 +5,7 @@ report beside it (report.json) and a model card (README.md)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,16 @@ REPORT = "report.json"
 CARD = "README.md"
 
 
-def check_writable(directory: Path) -> None:
-    """Fail before any training if the model cannot be written where asked."""
-    probe = directory / ".hpo-write-check"
+def check_output(directory: Path) -> None:
+    """Fail before any training if the model cannot be written where asked: a directory that
+    cannot be created or written, or one that holds something other than an earlier export
+    (which `write` replaces)."""
+    if directory.exists() and any(directory.iterdir()) and not (directory / REPORT).is_file():
+        raise ConfigError(f"--output {directory}: not empty and not an earlier hpo final "
+                          f"export; choose another directory")
+    probe = directory.parent / f".{directory.name}.hpo-write-check"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
@@ -32,12 +38,17 @@ def check_writable(directory: Path) -> None:
 
 def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
           label_names: tuple[str, ...]) -> None:
-    """The final model with its report and model card."""
-    save_model(directory, model, report["params"]["model_name"], label_names,
+    """The final model with its report and model card, written beside `directory` and then
+    put in its place: an earlier export is replaced whole, never mixed with this one."""
+    partial = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_model(partial, model, report["params"]["model_name"], label_names,
                task=report["data"]["task"], max_length=report["data"]["max_length"],
                thresholds=report["exported"]["thresholds"])
-    (directory / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    (directory / CARD).write_text(model_card(report))
+    (partial / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    (partial / CARD).write_text(model_card(report))
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)
 
 
 def save_model(directory: Path, model: torch.nn.Module, model_name: str,

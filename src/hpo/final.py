@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import optuna
+import pydantic
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
@@ -57,8 +58,13 @@ def recipe(study: optuna.Study, number: int | None, defaults: TrainingConfig) ->
     params = trial.params
     extras = {k: v for k, v in params.items() if k not in SEARCHED}
     recorded = trial.user_attrs.get("training")
-    training = (TrainingConfig.model_validate(recorded) if recorded is not None
-                else defaults.model_copy(update=extras))
+    try:
+        training = (TrainingConfig.model_validate(recorded) if recorded is not None
+                    else defaults.model_copy(update=extras))
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"trial {trial.number}: its recorded training settings no longer "
+                          f"validate ({exc.error_count()} error(s), first: "
+                          f"{exc.errors()[0]['msg']})") from None
     return Recipe(
         number=trial.number,
         value=float(trial.value),
@@ -135,7 +141,7 @@ def check_precision(found: Recipe, resources: Resources) -> None:
                          f"{', '.join(native)}): run hpo final on a device like the search's")
 
 
-def fitted_plan(found: Recipe, resources: Resources, study: optuna.Study, num_labels: int,
+def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num_labels: int,
                 refit: bool) -> tuple[Plan, int]:
     """The trial's plan with the batches that fit this device (the study's cached limit; a
     batch search where this kind of device has none). With --refit and the best epoch as the
@@ -145,7 +151,7 @@ def fitted_plan(found: Recipe, resources: Resources, study: optuna.Study, num_la
     if refit and resources.config.study.objective_epoch == "best":
         training = training.model_copy(update={"epochs": found.value_epoch})
     plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
-                                num_labels, resources, StudyBatchCache(study))
+                                num_labels, resources, cache)
     return plan, probes
 
 
@@ -176,8 +182,11 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
         reporter.epoch(found.number, epoch, plan.epochs, score)
         # The epoch the search's rule picks: the best (the earliest of equal bests) or last.
         if rule == "last" or kept["score"] is None or score > kept["score"]:
-            kept.update(epoch=epoch, score=None if refit else score, state={
-                k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+            kept.update(epoch=epoch, score=None if refit else score, state=None)
+            # The last epoch's weights are the model's own when training ends: no copy.
+            if rule == "best" and epoch < plan.epochs:
+                kept["state"] = {k: v.detach().to("cpu", copy=True)
+                                 for k, v in model.state_dict().items()}
 
     pos_weight = (balanced_pos_weight(data.train.labels)
                   if found.training.pos_weight == "balanced" else None)
@@ -186,7 +195,8 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
           on_epoch=on_epoch, on_step=lambda p: reporter.step(found.number, p, plan.epochs),
           pos_weight=pos_weight)
     del trained
-    model.load_state_dict(kept["state"])
+    if kept["state"] is not None:
+        model.load_state_dict(kept["state"])
     model.eval()
     # Scored as exported: float32 weights, no autocast, as a plain pipeline runs them.
     validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,
@@ -237,8 +247,10 @@ class Options:
 
 
 def final(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
-          reporter: Reporter) -> tuple[dict[str, Any], torch.nn.Module]:
-    """Train the chosen trial again once per seed and score every run on the test split.
+          reporter: Reporter, cache: StudyBatchCache,
+          ) -> tuple[dict[str, Any], torch.nn.Module]:
+    """Train the chosen trial again once per seed and score every run on the test split;
+    `cache` is the study's batch cache, shared with its workers.
     Returns the report and the model to export: the run best on validation (the earliest of
     equal ones), or the first seed's with --refit (no validation split is left to choose)."""
     config = resources.config
@@ -246,8 +258,11 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
     check_precision(found, resources)
     data = encode_splits(resources, splits, found.params.model_name, options.refit)
     names = resources.label_names
-    gold_validation, gold_test = resources.gold(), _gold(splits, resources)
-    plan, probes = fitted_plan(found, resources, study, data.train.labels.shape[1],
+    data_config = config.data
+    gold_validation = resources.gold()
+    gold_test = resources.gold(build_examples(splits.test, data_config.task,
+                                              special_case=data_config.special_case))
+    plan, probes = fitted_plan(found, resources, cache, data.train.labels.shape[1],
                                options.refit)
     runs: list[tuple[Run, Scored]] = []
     chosen: tuple[Run, Scored, torch.nn.Module] | None = None
@@ -258,6 +273,7 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
                          f"{seed}, trained on the {split} split ({len(data.train)} examples)")
         run, model = train_run(found, plan, resources, data, gold_validation, seed,
                                refit=options.refit, reporter=reporter)
+        reporter.run_finished()
         scored = score(run, gold_validation, gold_test, names, options.tuned)
         runs.append((run, scored))
         reporter.message(_run_line(run, scored, config.study.objective))
@@ -280,13 +296,6 @@ def _run_line(run: Run, scored: Scored, objective: str) -> str:
             f"({scored.test_at_half.macro_f1:.4f} at threshold 0.5)")
 
 
-def _gold(splits: Splits, resources: Resources) -> torch.Tensor:
-    data = resources.config.data
-    examples = build_examples(splits.test, data.task, special_case=data.special_case)
-    labels = torch.tensor([e.labels for e in examples])
-    return metrics.as_grid(labels, len(resources.label_names)).bool()
-
-
 def _scores(scores: metrics.Scores) -> dict[str, float]:
     return {"macro_f1": round(scores.macro_f1, 4), "micro_f1": round(scores.micro_f1, 4)}
 
@@ -303,6 +312,8 @@ def _report(study: optuna.Study, resources: Resources, splits: Splits, options: 
     per_label = metrics.per_label_scores(predicted, gold_test, names)
     baseline = metrics.all_positive_baseline(gold_test, names)
     test_values = [s.test.get(objective) for _, s in runs]
+    # The search scored its trials at threshold 0.5: its optimism is measured at 0.5 too.
+    at_half = [s.test_at_half.get(objective) for _, s in runs]
     return {
         "study": study.study_name,
         "trial": found.number,
@@ -347,7 +358,7 @@ def _report(study: optuna.Study, resources: Resources, splits: Splits, options: 
             "thresholds": dict(zip(names, scored.thresholds, strict=True)),
         },
         "baseline": {"name": "all_positive", **_scores(baseline)},
-        "optimism": round(found.value - statistics.fmean(test_values), 4),
+        "optimism": round(found.value - statistics.fmean(at_half), 4),
     }
 
 
@@ -366,8 +377,8 @@ def render(report: dict[str, Any]) -> str:
         f"test split {posts['test']} posts; thresholds {report['thresholds']}",
         f"search's validation {objective}: {report['search_validation']:.4f}; test {objective} "
         f"over seeds: mean {spread_['mean']:.4f}, std {spread_['std']:.4f}, "
-        f"min {spread_['min']:.4f}, max {spread_['max']:.4f} (validation - test: "
-        f"{report['optimism']:+.4f}, how optimistic the search was)",
+        f"min {spread_['min']:.4f}, max {spread_['max']:.4f}; validation - test at threshold "
+        f"0.5: {report['optimism']:+.4f} (how optimistic the search was)",
         f"exported model: seed {exported['seed']}, chosen by {exported['chosen_by']}",
     ]
     for name in ("macro_f1", "micro_f1"):

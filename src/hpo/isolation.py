@@ -169,7 +169,8 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
-    resources.keeper = artifacts.keeper_for(config, payload["url"])
+    if not config.data.cv_folds:
+        resources.keeper = artifacts.keeper_for(config, payload["url"])
     trial = optuna.trial.Trial(study, trial_id)
     with heartbeat(storage, trial):
         outcome, told = execute(study, trial, resources, ConsoleReporter(),

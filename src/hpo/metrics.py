@@ -6,6 +6,7 @@ are its row, so the two tasks' numbers are comparable.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,9 @@ def tune_thresholds(probabilities: torch.Tensor, gold: torch.Tensor,
     fp = (predicted & ~gold).sum(1).double()
     fn = (~predicted & gold).sum(1).double()
     f1 = _f1(tp, fp, fn)  # grid x labels
-    closeness = -(candidates.double() - 0.5).abs().view(-1, 1)
-    # F1 values are ratios of small integers: a tiny tie-breaker cannot reorder unequal ones.
-    best = (f1 + 1e-9 * closeness).argmax(0)
+    tied = f1 >= f1.max(0).values - 1e-12
+    closeness = -(candidates.double() - 0.5).abs().view(-1, 1).expand_as(f1)
+    best = torch.where(tied, closeness, torch.full_like(closeness, -math.inf)).argmax(0)
     return tuple(grid[int(i)] for i in best)
 
 

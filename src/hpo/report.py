@@ -67,6 +67,10 @@ class ConsoleReporter:
     def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None:
         self.console.print(f"  trial {number} epoch {epoch}/{epochs}: score {score:.4f}")
 
+    def run_finished(self) -> None:
+        """A training run outside a trial (hpo final) ended: its progress bar goes."""
+        self._stop_progress()
+
     def _stop_progress(self) -> None:
         # Stopping clears the bar and shows the cursor again: nothing is drawn after it.
         if self._progress is not None:

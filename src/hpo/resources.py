@@ -3,6 +3,7 @@ splits and initial weights, built once and drawn on by every trial of the proces
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,12 +15,21 @@ from hpo.config import StudyConfig
 from hpo.data import token_cache
 from hpo.data.batching import Encoded
 from hpo.data.redsm5 import label_names, read_redsm5
-from hpo.data.splits import Splits, split_posts
+from hpo.data.splits import Splits, folds, split_posts
 from hpo.data.tasks import Example, build_examples
 from hpo.errors import one_line
 from hpo.hardware import Device
 from hpo.models import ModelStore
 from hpo.space import PinnedSpace
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One fold of a cross-validated trial: what it trains on, what it is scored on."""
+
+    train: Encoded
+    validation: Encoded
+    gold: torch.Tensor  # the validation posts' labels as a post x label grid
 
 
 @dataclass
@@ -53,6 +63,24 @@ class Resources:
         self._encoded[model_name] = (train, validation)
         return train, validation, "disk cache" if train_hit and validation_hit else "tokenizer"
 
+    def folds(self, model_name: str) -> Iterator[Fold]:
+        """`data.cv_folds` folds by post of the training and validation posts together,
+        tokenized for this model (from the two splits' tokens, no second tokenization), made
+        one at a time so that only one fold's copy of the tokens is held."""
+        train, validation, _ = self.encoded(model_name)
+        pool = Encoded.join(train, validation)
+        per_post = len(self.label_names) if self.config.data.task == "nli_pairs" else 1
+        data = self.config.data
+
+        def examples(posts: list[int]) -> list[int]:
+            return [p * per_post + j for p in posts for j in range(per_post)]
+
+        for train_posts, validation_posts in folds(len(pool) // per_post, data.cv_folds,
+                                                   data.split_seed):
+            held = pool.select(examples(validation_posts))
+            yield Fold(pool.select(examples(train_posts)), held,
+                       metrics.as_grid(held.labels, len(self.label_names)).bool())
+
     def preload(self) -> dict[str, str]:
         """Every model of the search space read and its splits tokenized before the first
         trial, so the process holds from the start what it would hold after each model's
@@ -67,9 +95,11 @@ class Resources:
         memory.release_memory()
         return sources
 
-    def gold(self) -> torch.Tensor:
-        """The validation posts' labels as a post x label grid."""
-        labels = torch.tensor([e.labels for e in self.validation_examples])
+    def gold(self, examples: list[Example] | None = None) -> torch.Tensor:
+        """The labels of `examples` (by default the validation posts') as a post x label
+        grid."""
+        chosen = self.validation_examples if examples is None else examples
+        labels = torch.tensor([e.labels for e in chosen])
         return metrics.as_grid(labels, len(self.label_names)).bool()
 
     def baseline(self) -> metrics.Scores:

@@ -93,14 +93,19 @@ def work(
                          f"{storage.grace_period} s: the study's, fixed when it was created "
                          f"(this worker asked for {own[0]} s and {own[1]} s)")
     resources = load_resources(config, pinned, device, splits)
-    resources.keeper = artifacts.keeper_for(config, url)
-    if resources.keeper is not None:
-        reporter.message(f"the models of the best {resources.keeper.best} trial(s) are kept "
-                         f"in the artifact store {resources.keeper.where}")
+    if config.data.cv_folds and config.study.keep_best:
+        reporter.message(f"no trial's model is kept: a cross-validated trial trains "
+                         f"{config.data.cv_folds} models (data.cv_folds), none of them the "
+                         f"trial's; hpo final trains the chosen configuration again")
     elif config.study.keep_best:
-        reporter.message("no trial's model is kept: a server storage has no artifact store "
-                         "unless study.artifacts (or HPO_ARTIFACTS) names one, a directory "
-                         "every worker shares or s3://BUCKET")
+        resources.keeper = artifacts.keeper_for(config, url)
+        if resources.keeper is None:
+            reporter.message("no trial's model is kept: a server storage has no artifact "
+                             "store unless study.artifacts (or HPO_ARTIFACTS) names one, a "
+                             "directory every worker shares or s3://BUCKET")
+        else:
+            reporter.message(f"the models of the best {resources.keeper.best} trial(s) are "
+                             f"kept in the artifact store {resources.keeper.where}")
     data = config.data
     finished = finished_count(study)
     goal = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"

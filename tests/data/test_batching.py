@@ -114,3 +114,17 @@ def test_the_multiple_keeps_at_most_16_widths(longest, multiple):
 def test_demo_posts_are_long_tailed():
     words = sorted(len(p.text.split()) for p in read_redsm5(DEMO_DATA))
     assert words[-1] > 10 * words[len(words) // 2]
+
+
+def test_selected_and_joined_examples_keep_their_tokens_types_and_labels():
+    import torch
+
+    first = Encoded.pack([(5, 6), (7, 8, 9)], [(0, 1), (0, 0, 1)], torch.tensor([[1.0], [0.0]]))
+    second = Encoded.pack([(4,)], [(1,)], torch.tensor([[1.0]]))
+    both = Encoded.join(first, second)
+    assert both.lengths == [2, 3, 1] and both.labels.tolist() == [[1.0], [0.0], [1.0]]
+    picked = both.select([2, 0])
+    assert picked.lengths == [1, 2] and picked.labels.tolist() == [[1.0], [1.0]]
+    batch = Collator(picked, pad_id=3)([0, 1])
+    assert batch["input_ids"].tolist() == [[4, 3], [5, 6]]
+    assert batch["token_type_ids"].tolist() == [[1, 0], [0, 1]]

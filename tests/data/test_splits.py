@@ -5,7 +5,7 @@ import random
 import pytest
 
 from hpo.data.redsm5 import Post
-from hpo.data.splits import Splits, split_posts
+from hpo.data.splits import Splits, folds, split_posts
 from hpo.errors import DataError
 
 
@@ -80,3 +80,20 @@ def test_duplicate_post_ids_are_rejected() -> None:
     posts = make_posts(5) + [Post("p001", "another text", frozenset())]
     with pytest.raises(ValueError, match="p001"):
         split_posts(posts, validation=0.2, test=0.2, seed=0)
+
+
+def test_folds_validate_every_post_once_in_folds_of_near_equal_size() -> None:
+    made = folds(23, 5, seed=13)
+    assert len(made) == 5
+    held = [p for _, validation in made for p in validation]
+    assert sorted(held) == list(range(23))
+    assert {len(validation) for _, validation in made} == {4, 5}
+    for train, validation in made:
+        assert not set(train) & set(validation)
+        assert sorted(train + validation) == list(range(23))
+    assert made == folds(23, 5, seed=13) and made != folds(23, 5, seed=14)
+
+
+def test_fewer_posts_than_folds_is_bad_input() -> None:
+    with pytest.raises(DataError, match="data.cv_folds 5: only 4 training and validation"):
+        folds(4, 5, seed=0)

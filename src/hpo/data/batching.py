@@ -65,6 +65,27 @@ class Encoded:
     def __len__(self) -> int:
         return self.offsets.numel() - 1
 
+    def select(self, indices: Sequence[int]) -> Encoded:
+        """The examples at `indices`, in that order."""
+        b = self.bounds
+        ids = [self.tokens[b[i]:b[i + 1]] for i in indices]
+        lengths = torch.tensor([len(t) for t in ids], dtype=torch.int64)
+        offsets = torch.zeros(len(indices) + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        types = (None if self.token_types is None
+                 else torch.cat([self.token_types[b[i]:b[i + 1]] for i in indices]))
+        tokens = torch.cat(ids) if ids else self.tokens[:0]
+        return Encoded(tokens, offsets, types, self.labels[list(indices)])
+
+    @classmethod
+    def join(cls, first: Encoded, second: Encoded) -> Encoded:
+        """The examples of `first`, then those of `second`."""
+        types = (None if first.token_types is None or second.token_types is None
+                 else torch.cat([first.token_types, second.token_types]))
+        return cls(torch.cat([first.tokens, second.tokens]),
+                   torch.cat([first.offsets, second.offsets[1:] + first.offsets[-1]]),
+                   types, torch.cat([first.labels, second.labels]))
+
     @cached_property
     def bounds(self) -> list[int]:
         return self.offsets.tolist()

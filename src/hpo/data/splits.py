@@ -73,3 +73,16 @@ def _size(n: int, fraction: float) -> int:
 
 def _sorted(posts: list[Post]) -> tuple[Post, ...]:
     return tuple(sorted(posts, key=lambda post: post.post_id))
+
+
+def folds(n_posts: int, k: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """K folds of post positions 0..n_posts-1, each a (training, validation) pair: the posts
+    shuffled with `seed` and dealt round-robin, so fold sizes differ by at most one and every
+    post validates exactly once."""
+    if n_posts < k:
+        raise DataError(f"data.cv_folds {k}: only {n_posts} training and validation posts, "
+                        f"fewer than one per fold")
+    order = list(range(n_posts))
+    random.Random(seed).shuffle(order)
+    held = [sorted(order[fold::k]) for fold in range(k)]
+    return [(sorted(set(order) - set(validation)), validation) for validation in held]
