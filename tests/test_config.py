@@ -53,6 +53,17 @@ def test_defaults_and_name(tmp_path):
         (lambda d: d["data"].update(task="regression"), "data.task"),
         (lambda d: d["training"].update(safety_margin=1.5), "training.safety_margin"),
         (lambda d: d["training"].update(device="tpu"), "training.device"),
+        (lambda d: d["study"].update(enqueue=[{"learning_rate": 1.0}]),
+         "study.enqueue\\[0\\]: learning_rate 1.0 is outside \\[0.0001, 0.001\\]"),
+        (lambda d: d["study"].update(enqueue=[{"dropout": 0.1}]),
+         "study.enqueue\\[0\\]: dropout is not a parameter of the search space"),
+        (lambda d: d["study"].update(enqueue=[{"model_name": "other"}]),
+         "study.enqueue\\[0\\]: model_name 'other' is not one of \\['m'\\]"),
+        (lambda d: (d["search_space"].update(fp_precision="auto"),
+                    d["study"].update(enqueue=[{"fp_precision": "bf16"}])),
+         "fp_precision is auto in the search space: leave it out"),
+        (lambda d: d["study"]["sampler"].update(group=True, multivariate=False),
+         "sampler.group needs sampler.multivariate: true"),
     ],
 )
 def test_invalid_files_name_the_key(tmp_path, change, message):

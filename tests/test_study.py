@@ -193,3 +193,69 @@ def test_a_worker_on_another_data_split_is_refused(one_model_study, tmp_path, ca
                  "--n-trials", "1", "--set", "data.split_seed=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "study 'tiny' searched on another data split (train:" in err[0]
+
+
+def test_two_seeded_workers_run_enqueued_sets_once_and_never_repeat_each_other(
+        tiny_study, pg_url, tmp_path):
+    """Issue: with `sampler.seed`, every worker drew the same stream, so two workers ran
+    trials 0 and 1, 2 and 3 with equal parameters. The sampler is seeded per trial number
+    now; and an enqueued parameter set is run by exactly one worker."""
+    config = yaml.safe_load(tiny_study.read_text())
+    config["study"]["sampler"] = {"name": "tpe", "seed": 7, "n_startup_trials": 10}
+    config["study"]["enqueue"] = [{"learning_rate": 0.0005, "target_effective_batch_size": 8}]
+    study_file = tmp_path / "seeded.yaml"
+    study_file.write_text(yaml.safe_dump(config))
+    workers = [start_worker(study_file, pg_url, 5) for _ in range(2)]
+    for worker in workers:
+        _, err = worker.communicate(timeout=600)
+        assert worker.returncode == 0, err
+    study = optuna.load_study(study_name="seeded", storage=pg_url)
+    assert study.user_attrs["enqueued"] == 1
+    rates = [t.params["learning_rate"] for t in study.trials]
+    assert len(rates) == 5 and rates.count(0.0005) == 1
+    assert len(set(rates)) == 5
+    assert len({t.user_attrs["worker"] for t in study.trials}) == 2
+    # A worker joining later enqueues nothing again.
+    later = start_worker(study_file, pg_url, 6)
+    assert later.wait(timeout=300) == 0, later.stderr.read()
+    assert [t.params["learning_rate"] for t in optuna.load_study(
+        study_name="seeded", storage=pg_url).trials].count(0.0005) == 1
+
+
+def test_a_warm_start_runs_the_other_study_s_best_trials_first(tiny_study, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "3"]) == 0
+    before = optuna.load_study(study_name="tiny", storage=storage)
+    best = sorted((t for t in before.trials if t.state == optuna.trial.TrialState.COMPLETE),
+                  key=lambda t: (-t.value, t.number))[:2]
+    assert main(["run", "--config", str(tiny_study), "--storage", storage, "--n-trials", "3",
+                 "--set", "study.name=again", "--set", "study.warm_start_from=tiny",
+                 "--set", "study.warm_start_trials=2"]) == 0
+    again = optuna.load_study(study_name="again", storage=storage)
+    assert again.user_attrs["enqueued"] == 2
+    assert [t.params for t in again.trials[:2]] == [t.params for t in best]
+    capsys.readouterr()
+    assert main(["run", "--config", str(tiny_study), "--storage", storage, "--n-trials", "1",
+                 "--set", "study.name=third", "--set", "study.warm_start_from=nosuch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "study.warm_start_from nosuch: no such study" in err[0]
+
+
+def test_the_sampler_settings_reach_optuna(tiny_study, monkeypatch):
+    from hpo.config import load
+    from hpo.study import make_sampler
+
+    made = {}
+    original = optuna.samplers.TPESampler
+
+    def spy(**kwargs):
+        made.update(kwargs)
+        return original(**kwargs)
+
+    monkeypatch.setattr(optuna.samplers, "TPESampler", spy)
+    make_sampler(load(tiny_study, ["study.sampler.name=tpe"]))
+    assert (made["multivariate"], made["group"], made["constant_liar"]) == (True, False, True)
+    make_sampler(load(tiny_study, ["study.sampler.name=tpe", "study.sampler.group=true",
+                                   "study.sampler.constant_liar=false"]))
+    assert (made["group"], made["constant_liar"]) == (True, False)

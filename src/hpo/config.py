@@ -103,11 +103,48 @@ class SearchSpace(_Section):
         names = ("weight_decay", "warmup_ratio", "max_grad_norm", "epochs")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+    def rejects(self, params: dict[str, Any]) -> str | None:
+        """Why a set of parameter values (some or all of the space's) is not a point of this
+        space, or None if it is. With `fp_precision: auto` no precision may be given: which
+        ones are native is the device's to say."""
+        choices: dict[str, list] = {"model_name": self.model_name,
+                                    "target_effective_batch_size":
+                                        self.target_effective_batch_size}
+        if self.fp_precision != "auto":
+            choices["fp_precision"] = self.fp_precision
+        ranges = {"learning_rate": self.learning_rate, **self.extras()}
+        for key, value in params.items():
+            if key in choices:
+                if value not in choices[key]:
+                    return f"{key} {value!r} is not one of {choices[key]}"
+            elif key in ranges:
+                span = ranges[key]
+                if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                        span.low <= value <= span.high):
+                    return f"{key} {value!r} is outside [{span.low}, {span.high}]"
+            elif key == "fp_precision":
+                return "fp_precision is auto in the search space: leave it out"
+            else:
+                return f"{key} is not a parameter of the search space"
+        return None
+
 
 class SamplerConfig(_Section):
     name: Literal["tpe", "random"] = "tpe"
     seed: int | None = None
     n_startup_trials: Annotated[int, Field(ge=0)] = 10
+    # TPE: model the parameters jointly; `group` splits the space by which parameters a trial
+    # has (needs multivariate); `constant_liar` counts running trials as poor results so
+    # workers sampling at once do not all pick the same promising region.
+    multivariate: bool = True
+    group: bool = False
+    constant_liar: bool = True
+
+    @model_validator(mode="after")
+    def _group(self) -> SamplerConfig:
+        if self.group and not self.multivariate:
+            raise ValueError("sampler.group needs sampler.multivariate: true")
+        return self
 
 
 class PrunerConfig(_Section):
@@ -129,6 +166,12 @@ class StudySection(_Section):
     heartbeat_interval: Annotated[int, Field(ge=1)] = 30
     grace_period: Annotated[int, Field(ge=1)] = 120
     max_retry: Annotated[int, Field(ge=0)] = 2
+    # Parameter sets run first, once for the whole fleet (Optuna's enqueue_trial): known-good
+    # starting points; parameters left out are sampled.
+    enqueue: list[dict[str, Any]] = []
+    # Another study in the same storage whose best COMPLETE trials are enqueued first.
+    warm_start_from: str | None = None
+    warm_start_trials: Annotated[int, Field(ge=1)] = 5
     # The weights of the study's best K COMPLETE trials are kept in the artifact store: a
     # directory (a shared volume for a fleet) or s3://BUCKET; by default a directory beside
     # a SQLite storage file, and none for a server storage.
@@ -189,6 +232,14 @@ class StudyConfig(_Section):
     data: DataConfig
     search_space: SearchSpace
     training: TrainingConfig = TrainingConfig()
+
+    @model_validator(mode="after")
+    def _enqueued(self) -> StudyConfig:
+        for index, params in enumerate(self.study.enqueue):
+            why = self.search_space.rejects(params)
+            if why is not None:
+                raise ValueError(f"study.enqueue[{index}]: {why}")
+        return self
 
     @model_validator(mode="after")
     def _device(self) -> StudyConfig:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -15,7 +16,7 @@ from optuna.trial import TrialState
 from hpo import budget
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits, fingerprint
-from hpo.errors import DataError
+from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
 from hpo.memory import BatchLimit
 from hpo.space import PinnedSpace, pin
@@ -34,9 +35,14 @@ def make_sampler(config: StudyConfig, trial_number: int | None = None
         seed = int.from_bytes(digest[:4], "little")
     if sampler.name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(
-        seed=seed, n_startup_trials=sampler.n_startup_trials, multivariate=True
-    )
+    with warnings.catch_warnings():
+        # multivariate, group and constant_liar are "experimental" in Optuna's words only.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=sampler.n_startup_trials,
+            multivariate=sampler.multivariate, group=sampler.group,
+            constant_liar=sampler.constant_liar,
+        )
 
 
 def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
@@ -70,7 +76,51 @@ def join(
         pin_liveness(study, storage, config)
         if splits is not None:
             pin_splits(study, splits)
-        return study, pin(study, config.search_space, device)
+        pinned = pin(study, config.search_space, device)
+        seed_queue(study, storage, config)
+        return study, pinned
+
+
+QUEUED = "enqueued"
+
+
+def seed_queue(study: optuna.Study, storage: ResilientRDBStorage, config: StudyConfig) -> int:
+    """Enqueue the study file's `enqueue` parameter sets, then the best trials of
+    `warm_start_from`, once in the study's life (its first join, under the study lock):
+    every worker joins, but the fleet runs each set once. Returns how many were enqueued."""
+    if study.user_attrs.get(QUEUED) is not None:
+        return 0
+    queued = [dict(params) for params in config.study.enqueue]
+    if config.study.warm_start_from:
+        queued += warm_start(storage, config)
+    for params in queued:
+        study.enqueue_trial(params, skip_if_exists=True)
+    study.set_user_attr(QUEUED, len(queued))
+    return len(queued)
+
+
+def warm_start(storage: ResilientRDBStorage, config: StudyConfig) -> list[dict]:
+    """The parameters of the best COMPLETE trials of `warm_start_from` that are points of
+    this study's space (a precision is left to sample where this space has `auto`)."""
+    name = config.study.warm_start_from
+    try:
+        other = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        raise ConfigError(f"study.warm_start_from {name}: no such study in this storage "
+                          f"(hpo studies lists them)") from None
+    space = config.search_space
+    best = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))),
+                  key=lambda t: (-t.value, t.number))
+    chosen = []
+    for trial in best:
+        params = dict(trial.params)
+        if space.fp_precision == "auto":
+            params.pop("fp_precision", None)
+        if space.rejects(params) is None and params not in chosen:
+            chosen.append(params)
+        if len(chosen) == config.study.warm_start_trials:
+            break
+    return chosen
 
 
 SPLITS = "data_splits"
