@@ -76,3 +76,37 @@ def test_status_shows_running_trials_as_a_table(tiny_study, tmp_path, capsys):
                  "--format", "json"]) == 0
     running = json.loads(capsys.readouterr().out)["running"]
     assert [t["params"]["learning_rate"] for t in running] == [0.000123456789, 3e-5]
+
+
+def test_status_shows_device_seconds_per_model_and_precision_and_the_wasted_share(
+        tiny_study, tmp_path, capsys):
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from hpo.summary import compute
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
+    models = CategoricalDistribution(["a", "b"])
+    precisions = CategoricalDistribution(["bf16", "none"])
+    for model, precision, state, seconds in [("a", "bf16", TrialState.COMPLETE, 60),
+                                             ("a", "bf16", TrialState.PRUNED, 20),
+                                             ("b", "none", TrialState.COMPLETE, 100),
+                                             ("b", "none", TrialState.FAIL, 20)]:
+        study.add_trial(create_trial(
+            state=state, value=0.5 if state == TrialState.COMPLETE else None,
+            params={"model_name": model, "fp_precision": precision},
+            distributions={"model_name": models, "fp_precision": precisions},
+            user_attrs={"trial_seconds": seconds}))
+    spent = compute(study)
+    assert spent["device_seconds"] == 200
+    assert (spent["pruned_share"], spent["failed_share"]) == (0.1, 0.1)
+    assert spent["by_model_precision"] == [
+        {"model_name": "b", "fp_precision": "none", "trials": 2, "device_seconds": 120.0,
+         "pruned_seconds": 0.0, "failed_seconds": 20.0},
+        {"model_name": "a", "fp_precision": "bf16", "trials": 2, "device_seconds": 80.0,
+         "pruned_seconds": 20.0, "failed_seconds": 0.0}]
+    assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
+    out = capsys.readouterr().out
+    assert "compute: 200 device-seconds, 10% on pruned and 10% on failed trials" in out
+    assert re.search(r"^  b +none +2 +120 +0 +20$", out, flags=re.MULTILINE)

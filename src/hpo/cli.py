@@ -382,6 +382,16 @@ def command_status(args: argparse.Namespace) -> int:
         lines.append(f"best: trial {best['trial']}, {best['objective']} {best['value']:.4f}")
         lines += ["  " + line for line in _columns(
             [[name, _number(value)] for name, value in best["params"].items()])]
+    spent = info["compute"]
+    if spent["by_model_precision"]:
+        lines.append(f"compute: {spent['device_seconds']:.0f} device-seconds, "
+                     f"{100 * spent['pruned_share']:.0f}% on pruned and "
+                     f"{100 * spent['failed_share']:.0f}% on failed trials")
+        rows = [["model", "precision", "trials", "device-s", "pruned-s", "failed-s"]]
+        rows += [[r["model_name"], r["fp_precision"], str(r["trials"]),
+                  f"{r['device_seconds']:.0f}", f"{r['pruned_seconds']:.0f}",
+                  f"{r['failed_seconds']:.0f}"] for r in spent["by_model_precision"]]
+        lines += ["  " + line for line in _columns(rows)]
     if info["running"]:
         names = sorted({name for trial in info["running"] for name in trial["params"]})
         rows = [["running", "worker", "for", *names]]

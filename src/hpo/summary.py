@@ -59,6 +59,50 @@ def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[st
                    "RUNNING": counts.running, "WAITING": counts.waiting, "FAIL": counts.failed},
         "best": best(study),
         "running": running,
+        "compute": compute(study),
+    }
+
+
+def trial_seconds(trial: optuna.trial.FrozenTrial) -> float:
+    """The device time a finished trial took: its recorded `trial_seconds` (one device per
+    worker), else the time between its start and its end (a trial whose worker died)."""
+    recorded = trial.user_attrs.get("trial_seconds")
+    if recorded is not None:
+        return float(recorded)
+    if trial.datetime_start and trial.datetime_complete:
+        return (trial.datetime_complete - trial.datetime_start).total_seconds()
+    return 0.0
+
+
+def compute(study: optuna.Study) -> dict[str, Any]:
+    """Device-seconds spent by finished trials, per model and precision, and the share of
+    them spent on trials that were pruned or failed: what the search's results cost."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    totals = {"COMPLETE": 0.0, "PRUNED": 0.0, "FAIL": 0.0}
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    for trial in study.get_trials(deepcopy=False, states=states):
+        seconds = trial_seconds(trial)
+        key = (str(trial.params.get("model_name", "?")),
+               str(trial.params.get("fp_precision", "?")))
+        row = rows.setdefault(key, {"model_name": key[0], "fp_precision": key[1],
+                                    "trials": 0, "device_seconds": 0.0,
+                                    "pruned_seconds": 0.0, "failed_seconds": 0.0})
+        row["trials"] += 1
+        row["device_seconds"] += seconds
+        if trial.state == TrialState.PRUNED:
+            row["pruned_seconds"] += seconds
+        elif trial.state == TrialState.FAIL:
+            row["failed_seconds"] += seconds
+        totals[trial.state.name] += seconds
+    total = sum(totals.values())
+    for row in rows.values():
+        for name in ("device_seconds", "pruned_seconds", "failed_seconds"):
+            row[name] = round(row[name], 1)
+    return {
+        "device_seconds": round(total, 1),
+        "pruned_share": round(totals["PRUNED"] / total, 4) if total else 0.0,
+        "failed_share": round(totals["FAIL"] / total, 4) if total else 0.0,
+        "by_model_precision": sorted(rows.values(), key=lambda r: -r["device_seconds"]),
     }
 
 
