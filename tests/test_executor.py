@@ -93,17 +93,6 @@ def test_a_compile_failure_trains_the_trial_eagerly_with_a_warning(
         "hpo: warning: trial 0: torch.compile failed, so the trial trains without it")
 
 
-@pytest.mark.slow
-def test_a_compiled_trial_searches_its_batch_trains_and_evaluates_compiled(
-        one_model_study, storage, capsys):
-    assert run(one_model_study, storage, 1, "--set", "training.compile=true") == 0
-    (trial,) = trials(storage)
-    assert trial.state == TrialState.COMPLETE, trial.user_attrs.get("error")
-    assert trial.user_attrs["compiled"] is True and "compile_error" not in trial.user_attrs
-    assert trial.user_attrs["batch_probes"] >= 1
-    assert "torch.compile failed" not in capsys.readouterr().err
-
-
 def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
     assert run(tiny_study, storage, 2, "--set", "training.epochs=3") == 0
