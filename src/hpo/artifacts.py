@@ -84,6 +84,14 @@ def open_store(where: str, *, writable: bool = True) -> ArtifactStore:
     return store
 
 
+def open_existing(where: str | None, *, writable: bool = True) -> ArtifactStore | None:
+    """The store at `where` if there is one: a bucket, or a directory that exists (one that
+    does not has no model to list or remove)."""
+    if where is None or not (where.startswith("s3://") or Path(where).is_dir()):
+        return None
+    return open_store(where, writable=writable)
+
+
 @dataclass(frozen=True)
 class Keeper:
     """Where and how many of the best trials' models to keep."""

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,24 +45,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`, called `what` in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a trial number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a trial number, got {value}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_trial_number = _int_at_least(0, "a trial number")
 
 
 def _port(text: str) -> int:
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     final = commands.add_parser(
         "final", help="train the best trial again, score it on the test split, export it")
     _study_options(final, required=True)
-    final.add_argument("--trial", type=_non_negative_int, default=None,
+    final.add_argument("--trial", type=_trial_number, default=None,
                        help="this trial instead of the best (a COMPLETE one)")
     final.add_argument("--seeds", type=_positive_int, default=3,
                        help="training runs, seeds training.seed, +1, ... (default 3)")
@@ -488,9 +488,8 @@ def command_delete(args: argparse.Namespace) -> int:
             print(f"hpo: {what} kept")
             return EXIT_UNEXPECTED
     where = _artifact_location(args, url)
-    removed = 0
-    if where is not None and (where.startswith("s3://") or Path(where).is_dir()):
-        removed = artifacts.remove_all(study, opened, artifacts.open_store(where))
+    store = artifacts.open_existing(where)
+    removed = 0 if store is None else artifacts.remove_all(study, opened, store)
     optuna.delete_study(study_name=name, storage=opened)
     print(f"deleted {what}" + (f" and its {removed} kept model(s) in {where}" if removed else ""))
     return EXIT_OK
@@ -530,10 +529,9 @@ def command_dashboard(args: argparse.Namespace) -> int:
     if args.artifacts and not args.artifacts.startswith("s3://") and not Path(
             args.artifacts).is_dir():
         raise ConfigError(f"--artifacts {args.artifacts}: no such directory")
-    store = None
-    if where is not None and (where.startswith("s3://") or Path(where).is_dir()):
-        store = DashboardArtifactStore(artifacts.open_store(where, writable=False),
-                                       writable=args.allow_writes)
+    store = artifacts.open_existing(where, writable=False)
+    if store is not None:
+        store = DashboardArtifactStore(store, writable=args.allow_writes)
         print(f"kept models from the artifact store {where}", flush=True)
     optuna_dashboard.run_server(opened, host=args.host, port=args.port, artifact_store=store)
     return EXIT_OK

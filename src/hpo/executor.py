@@ -370,9 +370,7 @@ def train_folds(
             trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
             trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
         if plan.compile:
-            trial.set_user_attr("compiled", compile_failure is None)
-            if compile_failure is not None:
-                trial.set_user_attr("compile_error", compile_failure)
+            _record_compiled(trial, compile_failure)
 
     try:
         for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
@@ -452,14 +450,18 @@ def _warn_eager(trial: optuna.Trial, model: torch.nn.Module, reporter: Reporter,
     return failure
 
 
+def _record_compiled(trial: optuna.Trial, failure: str | None) -> None:
+    trial.set_user_attr("compiled", failure is None)
+    if failure is not None:
+        trial.set_user_attr("compile_error", failure)
+
+
 def _record_progress(
     trial: optuna.Trial, progress: Progress | None, scores: list[metrics.Scores],
     objective: str, rule: str, model: torch.nn.Module,
 ) -> None:
     if isinstance(model, CompiledOrEager):
-        trial.set_user_attr("compiled", model.failure is None)
-        if model.failure is not None:
-            trial.set_user_attr("compile_error", model.failure)
+        _record_compiled(trial, model.failure)
     if progress is not None:
         trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
         trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
