@@ -187,3 +187,14 @@ def test_the_shipped_studies_are_installed_with_the_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for study in (REPO / "configs" / "studies").glob("*.yaml"):
         assert f"hpo/studies/{study.name}" in names
+
+
+@pytest.mark.parametrize("name", ["successive_halving", "hyperband"])
+def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_path, name):
+    path = write(tmp_path, study_dict(["m"], tmp_path))
+    with pytest.raises(ConfigError, match=rf"study.pruner.min_resource \(2\) must be below the "
+                                          rf"2 steps a trial reports .*: {name} would prune"):
+        config.load(path, ["training.epochs=2", f"study.pruner.name={name}",
+                           "study.pruner.min_resource=2"])
+    assert config.load(path, ["training.epochs=3", f"study.pruner.name={name}",
+                              "study.pruner.min_resource=2"]).max_steps() == 3

@@ -263,3 +263,40 @@ def test_the_sampler_settings_reach_optuna(tiny_study, monkeypatch):
     make_sampler(load(tiny_study, ["study.sampler.name=tpe", "study.sampler.group=true",
                                    "study.sampler.constant_liar=false"]))
     assert (made["group"], made["constant_liar"]) == (True, False)
+
+
+def test_successive_halving_prunes_by_epoch_rank(tiny_study):
+    from hpo.study import make_pruner
+
+    config = load(tiny_study, ["training.epochs=3", "study.pruner.name=successive_halving",
+                               "study.pruner.reduction_factor=2"])
+    study = optuna.create_study(direction="maximize", pruner=make_pruner(config))
+    verdicts = []
+    for first_epoch in (0.5, 0.6, 0.1, 0.7):
+        trial = study.ask()
+        trial.report(first_epoch, 1)
+        verdicts.append(trial.should_prune())
+        study.tell(trial, first_epoch)
+    # Rung 1 keeps the top half of the trials that reached epoch 1 (the first always).
+    assert verdicts == [False, False, True, False]
+
+
+@pytest.mark.parametrize(("overrides", "steps"), [
+    (["training.epochs=3"], 3),
+    (["training.epochs=3", "search_space.epochs.low=1", "search_space.epochs.high=5"], 5),
+    (["training.epochs=3", "data.cv_folds=4"], 4),
+])
+def test_hyperband_s_resource_is_the_epochs_or_folds_a_trial_reports(tiny_study, monkeypatch,
+                                                                      overrides, steps):
+    from hpo.study import make_pruner
+
+    made = {}
+    original = optuna.pruners.HyperbandPruner
+
+    def spy(**kwargs):
+        made.update(kwargs)
+        return original(**kwargs)
+
+    monkeypatch.setattr(optuna.pruners, "HyperbandPruner", spy)
+    make_pruner(load(tiny_study, [*overrides, "study.pruner.name=hyperband"]))
+    assert made == {"min_resource": 1, "max_resource": steps, "reduction_factor": 3}

@@ -148,9 +148,15 @@ class SamplerConfig(_Section):
 
 
 class PrunerConfig(_Section):
-    name: Literal["median", "hyperband", "none"] = "median"
+    name: Literal["median", "successive_halving", "hyperband", "none"] = "median"
+    # median: judged from the n_startup_trials-th finished trial on, after n_warmup_steps.
     n_startup_trials: Annotated[int, Field(ge=0)] = 5
     n_warmup_steps: Annotated[int, Field(ge=0)] = 1
+    # successive_halving and hyperband: the resource is the epoch (the fold under
+    # cv_folds); a trial goes on past min_resource x reduction_factor^k epochs only if it
+    # ranks in the top 1/reduction_factor of the trials that reached that epoch.
+    min_resource: Annotated[int, Field(ge=1)] = 1
+    reduction_factor: Annotated[int, Field(ge=2)] = 3
 
 
 class StudySection(_Section):
@@ -240,6 +246,27 @@ class StudyConfig(_Section):
             if why is not None:
                 raise ValueError(f"study.enqueue[{index}]: {why}")
         return self
+
+    @model_validator(mode="after")
+    def _resource(self) -> StudyConfig:
+        pruner = self.study.pruner
+        if pruner.name in ("successive_halving", "hyperband") and (
+                pruner.min_resource >= self.max_steps()):
+            raise ValueError(
+                f"study.pruner.min_resource ({pruner.min_resource}) must be below the "
+                f"{self.max_steps()} steps a trial reports (its epochs, or its folds under "
+                f"cv_folds): {pruner.name} would prune nothing")
+        return self
+
+    def max_steps(self) -> int:
+        """The most steps a trial reports, the pruners' resource: its folds under
+        cross-validation, else its epochs (the most the space may sample). Known before any
+        trial, so hyperband's brackets are the same in every worker from the first trial on
+        (Optuna's "auto" waits for a finished trial)."""
+        if self.data.cv_folds is not None:
+            return self.data.cv_folds
+        searched = self.search_space.epochs
+        return searched.high if searched is not None else self.training.epochs
 
     @model_validator(mode="after")
     def _device(self) -> StudyConfig:

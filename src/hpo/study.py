@@ -51,9 +51,17 @@ def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
         return optuna.pruners.MedianPruner(
             n_startup_trials=pruner.n_startup_trials, n_warmup_steps=pruner.n_warmup_steps
         )
+    if pruner.name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=pruner.min_resource, reduction_factor=pruner.reduction_factor
+        )
     if pruner.name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto")
+        return optuna.pruners.HyperbandPruner(
+            min_resource=pruner.min_resource, max_resource=config.max_steps(),
+            reduction_factor=pruner.reduction_factor,
+        )
     return optuna.pruners.NopPruner()
+
 
 
 def join(
