@@ -127,7 +127,11 @@ class Run:
 def measure(args: argparse.Namespace) -> dict:
     results = {"machine": cpu_model(), "cores": os.cpu_count(), "date": date.today().isoformat(),
                "versions": versions(), "n_trials": args.n_trials, "runs": []}
-    for seed in args.seeds:
+    if args.append:
+        results = json.loads(args.output.read_text())
+        if results["n_trials"] != args.n_trials:
+            raise SystemExit(f"{args.output} holds runs of {results['n_trials']} trials")
+    for seed in args.seeds if args.default else ():
         with tempfile.TemporaryDirectory() as tmp:
             runs = {}
             for tool in ("peer", "hpo") if args.peer else ("hpo",):
@@ -235,7 +239,7 @@ def render(results: dict, plot: Path) -> str:
             f"**{'met' if all(wins) else 'missed'}** ({sum(wins)} of {len(wins)} seeds).",
             f"- Goal 2, hpo reaches the peer's final best in at most half the peer's wall time "
             f"(median over seeds): **{'met' if median <= 0.5 else 'missed'}** (median "
-            f"{'never' if median == float('inf') else f'{median:.0%}'}).",
+            f"{'never' if median == float('inf') else f'{median:.1%}'}).",
             "",
         ]
     variants = [r for r in runs if r["tool"] == "hpo"]
@@ -309,6 +313,10 @@ def main() -> None:
     parser.add_argument("--variant", dest="variants", type=variant, action="append",
                         default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE...]")
     parser.add_argument("--no-peer", dest="peer", action="store_false")
+    parser.add_argument("--no-default", dest="default", action="store_false",
+                        help="run only the variants (with --append: add them to --output)")
+    parser.add_argument("--append", action="store_true",
+                        help="add this invocation's runs to those already in --output")
     parser.add_argument("--output", type=Path, default=HERE / "search_quality.json")
     parser.add_argument("--plot", type=Path, default=HERE / "search_quality.png")
     parser.add_argument("--render", type=Path, default=None,

@@ -69,7 +69,7 @@ def test_the_study_lock_excludes_other_holders(any_storage):
 
 @pytest.mark.slow
 def test_eight_workers_end_exactly_on_budget(tiny_study, pg_url):
-    procs = [start_worker(tiny_study, pg_url, 40) for _ in range(8)]
+    procs = [start_worker(tiny_study, pg_url, 24) for _ in range(8)]
     try:
         for p in procs:
             assert p.wait(timeout=900) == 0, p.stderr.read()[-2000:]
@@ -79,8 +79,8 @@ def test_eight_workers_end_exactly_on_budget(tiny_study, pg_url):
                 p.kill()
                 p.wait()
     counts = trial_states(pg_url)
-    assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 40
-    assert sum(counts.values()) == 40, counts
+    assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 24
+    assert sum(counts.values()) == 24, counts
 
 
 def test_a_lock_whose_connection_died_is_known_lost_and_free_for_others(pg_url):

@@ -114,15 +114,17 @@ def test_unknown_set_key(study_file):
 def test_unreachable_storage_hides_the_password(study_file):
     started = time.monotonic()
     result = hpo("run", "--config", str(study_file()), "--n-trials", "1",
-                 "--storage", "postgresql+psycopg2://hpo:s3cr3t-pw@127.0.0.1:1/hpo")
-    check_bad_input(result, "cannot be opened", "127.0.0.1:1")
+                 "--storage", "postgresql+psycopg2://hpo:s3cr3t-pw@127.0.0.1:1/hpo",
+                 env={"HPO_STORAGE_WAIT": "2"})
+    check_bad_input(result, "cannot be opened after", "127.0.0.1:1")
     assert "s3cr3t-pw" not in result.stderr + result.stdout
     assert time.monotonic() - started < 60
 
 
 def test_unreachable_storage_from_environment(study_file):
     result = hpo("run", "--config", str(study_file()), "--n-trials", "1",
-                 env={"HPO_STORAGE": "postgresql+psycopg2://u:hunter2@127.0.0.1:1/x"})
+                 env={"HPO_STORAGE": "postgresql+psycopg2://u:hunter2@127.0.0.1:1/x",
+                      "HPO_STORAGE_WAIT": "0"})
     check_bad_input(result, "cannot be opened")
     assert "hunter2" not in result.stderr + result.stdout
 
@@ -140,6 +142,15 @@ def test_emulated_precision_is_refused(study_file, precision):
         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     check_bad_input(result, f"{precision} is not native on cpu")
+
+
+def test_a_bfloat16_body_is_refused_where_bf16_is_emulated(study_file):
+    path = study_file(lambda d: d["training"].update(base_dtype="bfloat16"))
+    result = subprocess.run(
+        [sys.executable, "-c", AVX2_ONLY, "run", "--config", str(path), "--n-trials", "1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    check_bad_input(result, "training.base_dtype bfloat16: cpu", "only by emulation")
 
 
 @pytest.mark.parametrize("name, value", [("HPO_FAULT_OOM_AT_STEP", "two"),

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import optuna
 import pytest
@@ -239,3 +240,38 @@ def test_an_earlier_export_is_replaced_whole_and_a_foreign_directory_refused(
     assert final(study_file, storage, "--seeds", "1", "--output", str(output)) == 0
     assert not (output / "stale.bin").exists() and (output / "report.json").is_file()
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def test_a_model_trained_with_adapters_is_exported_merged_for_a_plain_pipeline(
+        tmp_path, tiny_model, small_data):
+    config = study_dict([tiny_model], small_data, epochs=2)
+    config["data"]["test_fraction"] = 0.2
+    config["search_space"]["peft"] = ["dora"]
+    study_file = tmp_path / "tiny.yaml"
+    study_file.write_text(yaml.safe_dump(config))
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert main(["run", "--config", str(study_file), "--storage", storage,
+                 "--n-trials", "1"]) == 0
+    (trial,) = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert trial.params["peft"] == "dora" and trial.user_attrs["trainable_share"] < 1
+    # The kept checkpoint is a plain model too: merged weights, no adapter files.
+    (blob,) = [p for p in (tmp_path / "hpo-artifacts").rglob("*") if p.is_file()]
+    names = set(zipfile.ZipFile(blob).namelist())
+    assert "model.safetensors" in names and "adapter_config.json" not in names
+    output = tmp_path / "model"
+    assert final(study_file, storage, "--seeds", "1", "--output", str(output)) == 0
+    report = json.loads((output / "report.json").read_text())
+    assert report["runs"][0]["validation"] == pytest.approx(trial.value, abs=1e-4)
+    assert not (output / "adapter_config.json").exists()
+    result = subprocess.run(
+        [sys.executable, "-c", PIPELINE, str(output), str(small_data)], capture_output=True,
+        text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    predicted = {i: set(labels) for i, labels in
+                 json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    exported = report["exported"]
+    gold = gold_symptoms(small_data, report["data"]["test_post_ids"])
+    assert macro_f1(predicted, gold, list(exported["thresholds"])) == pytest.approx(
+        exported["test"]["macro_f1"], abs=1e-4)
+    assert "DORA adapters (peft: r 8, alpha 16" in (output / "README.md").read_text()

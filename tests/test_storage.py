@@ -79,6 +79,23 @@ def test_an_unreachable_storage_at_start_is_bad_input_without_the_password():
     assert "Sup3rS3cret" not in str(caught.value) and "***" in str(caught.value)
 
 
+@pytest.mark.parametrize("wait", ["soon", "-1", "inf", "nan"])
+def test_a_bad_storage_wait_is_refused_before_any_connection(monkeypatch, tmp_path, wait):
+    monkeypatch.setenv("HPO_STORAGE_WAIT", wait)
+    with pytest.raises(StorageError, match=rf"^HPO_STORAGE_WAIT={wait!r}: expected a number"):
+        storage.open_storage(f"sqlite:///{tmp_path / 'never.db'}")
+    assert not (tmp_path / "never.db").exists()
+
+
+def test_the_storage_wait_bounds_the_retries_at_start(monkeypatch):
+    monkeypatch.setenv("HPO_STORAGE_WAIT", "1.5")
+    assert storage.start_wait() == 1.5
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="cannot be opened after"):
+        storage.open_storage("postgresql+psycopg2://u:p@127.0.0.1:1/x")
+    assert time.monotonic() - started < 15  # not the default wait
+
+
 def test_password_never_printed(tiny_study, capsys):
     url = "postgresql+psycopg2://postgres:Sup3rS3cret@127.0.0.1:5432/postgres"
     main(["status", "--config", str(tiny_study), "--storage", url])
@@ -96,7 +113,7 @@ def test_workers_survive_a_database_outage(tiny_study, tmp_path):
     try:
         url = server.url
         slow = ["--set", "training.epochs=6"]
-        procs = [start_worker(tiny_study, url, 12, *slow) for _ in range(2)]
+        procs = [start_worker(tiny_study, url, 8, *slow) for _ in range(2)]
         deadline = time.monotonic() + 300
         finished = 0
         while finished < 3 and time.monotonic() < deadline:
@@ -116,7 +133,7 @@ def test_workers_survive_a_database_outage(tiny_study, tmp_path):
             outputs.append(out)
         study = optuna.load_study(study_name="tiny", storage=url)
         counts = Counter(t.state for t in study.trials)
-        assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 12
+        assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 8
         assert counts[TrialState.RUNNING] == counts[TrialState.WAITING] == 0
         # Every result a worker reported is in the storage, with the same value.
         stored = {t.number: t.value for t in study.trials}

@@ -1,4 +1,5 @@
-"""One real training step per model x precision before the search spends GPU hours.
+"""One real training step per model x precision (x adapter method, where the space searches
+`peft`) before the search spends GPU hours.
 
 A combination whose model cannot be built, whose step raises or whose loss or predictions are
 not finite is unusable: the trials that sample it are pruned at once with
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import optuna
 import torch
 
-from hpo import memory
+from hpo import adapters, memory
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device
 from hpo.resources import Resources
@@ -46,6 +47,7 @@ class Verdict:
     step_seconds: float | None = None
     peak_mib: float | None = None
     attention: str | None = None
+    peft: str = "none"  # verdicts stored before adapters were searched are full fine-tuning
 
 
 def key(device: Device) -> str:
@@ -58,27 +60,37 @@ def stored(study: optuna.Study, device: Device) -> list[Verdict] | None:
     return None if found is None else [Verdict(**v) for v in found]
 
 
-def unusable(study: optuna.Study, device: Device, model: str, precision: str) -> str | None:
+def unusable(study: optuna.Study, device: Device, model: str, precision: str,
+             peft: str = "none") -> str | None:
     """Why the combination is unusable on this kind of device; None if it is usable or was
     not checked."""
     for verdict in stored(study, device) or ():
-        if (verdict.model, verdict.precision) == (model, precision) and not verdict.usable:
+        if (verdict.model, verdict.precision, verdict.peft) == (model, precision, peft) and (
+                not verdict.usable):
             return verdict.why
     return None
 
 
+def methods(resources: Resources) -> list[str]:
+    """The adapter methods trials may use: the searched ones, else the training setting."""
+    return resources.pinned.declared.get("peft") or [resources.config.training.peft]
+
+
 def check_all(resources: Resources, precisions: tuple[str, ...]) -> Iterator[Verdict]:
-    """A verdict per model of the space x precision, one real step each."""
+    """A verdict per model of the space x precision x adapter method, one real step each
+    (adapters at the training section's rank and dropout)."""
     for model in resources.pinned.declared["model_name"]:
         for precision in precisions:
-            verdict = check_one(resources, model, precision)
-            memory.release_memory()  # the step's model and tensors are gone with check_one
-            yield verdict
+            for peft in methods(resources):
+                verdict = check_one(resources, model, precision, peft)
+                memory.release_memory()  # the step's tensors are gone with check_one
+                yield verdict
 
 
-def check_one(resources: Resources, model_name: str, precision: str) -> Verdict:
+def check_one(resources: Resources, model_name: str, precision: str,
+              peft: str = "none") -> Verdict:
     config, device = resources.config, resources.device
-    training = config.training
+    training = config.training.model_copy(update={"peft": peft})
     plan = Plan(precision=precision, effective_batch=BATCH, physical_batch=BATCH,
                 eval_batch=BATCH, learning_rate=1e-5, weight_decay=0.0, warmup_ratio=0.0,
                 max_grad_norm=training.max_grad_norm, epochs=1, seed=training.seed,
@@ -86,8 +98,8 @@ def check_one(resources: Resources, model_name: str, precision: str) -> Verdict:
     attention = None
     try:
         tokenizer = resources.models.tokenizer(model_name)
-        model = resources.models.build(model_name, len(resources.label_names),
-                                       seed=training.seed)
+        model = adapters.build(resources.models, model_name, len(resources.label_names),
+                               training, precision)
         attention = model.config._attn_implementation  # private; see executor.train_trial
         model = prepare(model, plan, device)
         length = min(config.data.max_length, tokenizer.model_max_length)
@@ -108,9 +120,10 @@ def check_one(resources: Resources, model_name: str, precision: str) -> Verdict:
         if why is None:
             why = _predictions_not_finite(model, plan, device, length)
         verdict = Verdict(model_name, precision, why is None, why, round(seconds, 3),
-                          None if peak is None else round(peak, 1), attention)
+                          None if peak is None else round(peak, 1), attention, peft)
     except Exception as exc:
-        verdict = Verdict(model_name, precision, False, one_line(exc), attention=attention)
+        verdict = Verdict(model_name, precision, False, one_line(exc), attention=attention,
+                          peft=peft)
     return verdict
 
 
@@ -136,9 +149,12 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
     CheckError when nothing is usable."""
     verdicts = stored(study, resources.device)
     if verdicts is None:
+        adapters_checked = methods(resources)
+        per_adapter = (f" x {len(adapters_checked)} peft method(s)"
+                       if adapters_checked != ["none"] else "")
         report.message(f"checking {len(resources.pinned.declared['model_name'])} model(s) x "
-                       f"{len(precisions)} precision(s) on {resources.device.describe()}: one "
-                       f"step each (--skip-check skips)")
+                       f"{len(precisions)} precision(s){per_adapter} on "
+                       f"{resources.device.describe()}: one step each (--skip-check skips)")
         verdicts = list(check_all(resources, precisions))
         study.set_user_attr(key(resources.device), [asdict(v) for v in verdicts])
         report.message(table(verdicts))
@@ -151,9 +167,11 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
 
 
 def table(verdicts: list[Verdict]) -> str:
-    rows = [("model", "precision", "s/step", "peak MiB", "attention", "result")]
+    with_peft = any(v.peft != "none" for v in verdicts)
+    rows = [("model", "precision", *(("peft",) if with_peft else ()), "s/step", "peak MiB",
+             "attention", "result")]
     for v in verdicts:
-        rows.append((v.model, v.precision,
+        rows.append((v.model, v.precision, *((v.peft,) if with_peft else ()),
                      "-" if v.step_seconds is None else f"{v.step_seconds:.2f}",
                      "-" if v.peak_mib is None else f"{v.peak_mib:.0f}", v.attention or "-",
                      "ok" if v.usable else f"unusable: {v.why}"))

@@ -24,7 +24,7 @@ import yaml
 
 from hpo import config as config_module
 from hpo.config import StudyConfig
-from hpo.errors import BAD_INPUT, ConfigError, DataError, Terminated
+from hpo.errors import BAD_INPUT, ConfigError, DataError, SpaceError, Terminated
 
 if TYPE_CHECKING:  # the real imports load torch; `hpo --help` should not wait for it
     from hpo.data.splits import Splits
@@ -233,6 +233,9 @@ def prepare(args: argparse.Namespace, *, runs_trials: bool = True) -> Prepared:
     device = hardware.detect(config.training.device)
     if runs_trials:
         space.declare(config.search_space, device)  # refuses emulated precisions before I/O
+        if config.training.base_dtype == "bfloat16" and not device.native_bf16:
+            raise SpaceError(f"training.base_dtype bfloat16: {device.describe()} runs bf16 "
+                             f"only by emulation; use float32")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage.storage_url(args.storage, config.study.storage)
     opened = storage.open_storage(

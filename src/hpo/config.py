@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,6 +24,7 @@ STUDIES_DIR = Path("configs/studies")
 # repository), so `--study demo` works from any directory.
 PACKAGED_STUDIES = Path(__file__).parent / "studies"
 PRECISIONS = ("fp16", "bf16", "none")
+T = TypeVar("T")
 
 
 class _Section(BaseModel):
@@ -68,6 +69,9 @@ def _unique(values: list[Any]) -> list[Any]:
     return values
 
 
+_Choices = Annotated[list[T], Field(min_length=1)]
+
+
 class SearchSpace(_Section):
     model_name: Annotated[list[str], Field(min_length=1)]
     fp_precision: str | list[str] = "auto"
@@ -78,6 +82,14 @@ class SearchSpace(_Section):
     warmup_ratio: FloatRange | None = None
     max_grad_norm: FloatRange | None = None
     epochs: IntRange | None = None
+    # Adapters on the frozen pretrained body (peft's LoRA or DoRA; the head trains whole):
+    # `peft` choices, and for a trial with adapters its rank, alpha (or alpha as a ratio to
+    # the rank) and dropout, each a list of choices or a range.
+    peft: Annotated[list[Literal["none", "lora", "dora"]], Field(min_length=1)] | None = None
+    lora_r: _Choices[Annotated[int, Field(ge=1)]] | IntRange | None = None
+    lora_alpha: _Choices[Annotated[float, Field(gt=0)]] | FloatRange | None = None
+    lora_alpha_ratio: _Choices[Annotated[float, Field(gt=0)]] | FloatRange | None = None
+    lora_dropout: _Choices[Annotated[float, Field(ge=0, lt=1)]] | FloatRange | None = None
 
     @field_validator("fp_precision")
     @classmethod
@@ -97,10 +109,27 @@ class SearchSpace(_Section):
         _unique(self.target_effective_batch_size)
         if self.fp_precision != "auto":
             _unique(self.fp_precision)
+        for name in ("peft", *ADAPTER_KEYS):
+            if isinstance(getattr(self, name), list):
+                _unique(getattr(self, name))
         return self
 
-    def extras(self) -> dict[str, FloatRange | IntRange]:
-        names = ("weight_decay", "warmup_ratio", "max_grad_norm", "epochs")
+    @model_validator(mode="after")
+    def _adapters(self) -> SearchSpace:
+        searched = [name for name in ADAPTER_KEYS if getattr(self, name) is not None]
+        if searched and not set(self.peft or ()) - {"none"}:
+            raise ValueError(f"{searched[0]} is searched, but peft has no lora or dora")
+        if self.lora_alpha is not None and self.lora_alpha_ratio is not None:
+            raise ValueError("search lora_alpha or lora_alpha_ratio, not both")
+        if isinstance(self.lora_dropout, FloatRange) and not (
+                self.lora_dropout.low >= 0 and self.lora_dropout.high < 1):
+            raise ValueError("lora_dropout must lie in [0, 1)")
+        return self
+
+    def extras(self) -> dict[str, FloatRange | IntRange | list]:
+        """The extra parameters, `peft` before the adapter settings it decides about."""
+        names = ("weight_decay", "warmup_ratio", "max_grad_norm", "epochs", "peft",
+                 *ADAPTER_KEYS)
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def rejects(self, params: dict[str, Any]) -> str | None:
@@ -112,7 +141,9 @@ class SearchSpace(_Section):
                                         self.target_effective_batch_size}
         if self.fp_precision != "auto":
             choices["fp_precision"] = self.fp_precision
-        ranges = {"learning_rate": self.learning_rate, **self.extras()}
+        ranges = {"learning_rate": self.learning_rate}
+        for name, dist in self.extras().items():
+            (choices if isinstance(dist, list) else ranges)[name] = dist
         for key, value in params.items():
             if key in choices:
                 if value not in choices[key]:
@@ -127,6 +158,10 @@ class SearchSpace(_Section):
             else:
                 return f"{key} is not a parameter of the search space"
         return None
+
+
+# The adapter settings a trial with `peft` lora or dora samples (none: not sampled).
+ADAPTER_KEYS = ("lora_r", "lora_alpha", "lora_alpha_ratio", "lora_dropout")
 
 
 class SamplerConfig(_Section):
@@ -231,6 +266,22 @@ class TrainingConfig(_Section):
     device: str = "auto"
     # Each trial in a fresh child process: a library that leaks cannot poison the next trial.
     isolate_trials: bool = False
+    # Adapters (peft), where the search space does not sample them: the method, its rank,
+    # alpha (None: lora_alpha_ratio x rank) and dropout; the modules adapted (None: every
+    # linear layer of the pretrained body, whatever the architecture names them); and the
+    # body's weights in bfloat16 for adapter trials in bf16 (they stay frozen; the adapters
+    # and the head train in float32), which halves the body's memory.
+    peft: Literal["none", "lora", "dora"] = "none"
+    lora_r: Annotated[int, Field(ge=1)] = 8
+    lora_alpha: Annotated[float, Field(gt=0)] | None = None
+    lora_alpha_ratio: Annotated[float, Field(gt=0)] = 2.0
+    lora_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    lora_target_modules: Annotated[list[str], Field(min_length=1)] | None = None
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def adapter_alpha(self) -> float:
+        return self.lora_alpha if self.lora_alpha is not None else (
+            self.lora_alpha_ratio * self.lora_r)
 
 
 class StudyConfig(_Section):

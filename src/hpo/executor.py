@@ -25,7 +25,7 @@ import psutil
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import artifacts, check, export, faults, memory, metrics
+from hpo import adapters, artifacts, check, export, faults, memory, metrics
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.errors import one_line
@@ -114,8 +114,9 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def cache_key(params: Params, max_length: int, device: Device) -> str:
-    return f"{params.model_name}|{params.fp_precision}|{max_length}|{device.cache_key}"
+def cache_key(params: Params, training: TrainingConfig, max_length: int, device: Device) -> str:
+    return (f"{params.model_name}|{params.fp_precision}|{max_length}|{device.cache_key}"
+            f"{adapters.cache_suffix(training, params.fp_precision)}")
 
 
 # Called with the batch cache key and the micro-batch before each step that may run out of
@@ -202,10 +203,13 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
     settings are recorded on the trial."""
     config, device = resources.config, resources.device
     params = suggest(trial, resources.pinned)
-    why = check.unusable(trial.study, device, params.model_name, params.fp_precision)
-    if why is not None:
-        raise check.Unusable(f"{params.model_name} {params.fp_precision}: {why} (hpo check)")
     training = config.training.model_copy(update=params.extras)
+    why = check.unusable(trial.study, device, params.model_name, params.fp_precision,
+                         training.peft)
+    if why is not None:
+        adapter = "" if training.peft == "none" else f" {training.peft}"
+        raise check.Unusable(f"{params.model_name} {params.fp_precision}{adapter}: {why} "
+                             f"(hpo check)")
     began = time.perf_counter()
     train_data, validation_data, source = resources.encoded(params.model_name)
     trial.set_user_attr("tokenization", source)
@@ -251,10 +255,10 @@ def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: 
     Returns the plan, the cache key and the number of probes."""
     config, device = resources.config, resources.device
     tokenizer = resources.models.tokenizer(params.model_name)
-    key = cache_key(params, config.data.max_length, device)
+    key = cache_key(params, training, config.data.max_length, device)
     bound = min(params.target_effective_batch_size, training.max_physical_batch_size)
-    build = functools.partial(resources.models.build, params.model_name, num_labels,
-                              seed=training.seed)
+    build = functools.partial(adapters.build, resources.models, params.model_name, num_labels,
+                              training, params.fp_precision)
     probe_length = min(config.data.max_length, tokenizer.model_max_length)
     limit, probes = _find_batch(build, base, device, key, bound, cache, probe_length, watch)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
@@ -272,14 +276,14 @@ def train_trial(
     the best or the last epoch's score (`study.objective_epoch`). The pruner sees the same
     rule applied to the epochs so far, so it compares what the trial's value would be."""
     plan, device = planned.plan, resources.device
-    base = resources.models.build(
-        planned.params.model_name, planned.train_data.labels.shape[1], seed=planned.training.seed
-    )
+    base = adapters.build(resources.models, planned.params.model_name,
+                          planned.train_data.labels.shape[1], planned.training, plan.precision)
     # What the model and optimizer got, which the family and the device decide: transformers
     # keeps the attention in a private config field (models.py reads it too); the family
     # tests fail if it moves.
     trial.set_user_attr("attention_implementation", base.config._attn_implementation)
     trial.set_user_attr("fused_adamw", fused_adamw(device.type))
+    _record_trainable(trial, base)
     model = prepare(base, plan, device)
     gold = resources.gold()
     objective = resources.config.study.objective
@@ -375,13 +379,13 @@ def train_folds(
     try:
         for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
             scores: list[float] = []
-            base = resources.models.build(planned.params.model_name,
-                                          fold.train.labels.shape[1],
-                                          seed=planned.training.seed)
+            base = adapters.build(resources.models, planned.params.model_name,
+                                  fold.train.labels.shape[1], planned.training, plan.precision)
             if index == 1:  # private config field: see train_trial
                 trial.set_user_attr("attention_implementation",
                                     base.config._attn_implementation)
                 trial.set_user_attr("fused_adamw", fused_adamw(device.type))
+                _record_trainable(trial, base)
             model = prepare(base, plan, device)
 
             def evaluate(m: torch.nn.Module, fold=fold, scores=scores) -> float:
@@ -437,6 +441,12 @@ def _keep(trial: optuna.Trial, planned: TrialPlan, resources: Resources,
                          f"{keeper.where}: {one_line(exc)}")
         with contextlib.suppress(Exception):
             trial.set_user_attr("checkpoint_error", one_line(exc))
+
+
+def _record_trainable(trial: optuna.Trial, model: torch.nn.Module) -> None:
+    trainable, total = adapters.trainable_parameters(model)
+    trial.set_user_attr("trainable_parameters", trainable)
+    trial.set_user_attr("trainable_share", round(trainable / total, 6))
 
 
 def _warn_eager(trial: optuna.Trial, model: torch.nn.Module, reporter: Reporter,

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from hpo import adapters
+from hpo.config import TrainingConfig
 from hpo.errors import ConfigError
 from hpo.models import resolve
 
@@ -56,7 +58,9 @@ def save_model(directory: Path, model: torch.nn.Module, model_name: str,
                thresholds: dict[str, float]) -> None:
     """Save the model (float32 weights, safetensors) with the symptom names as its labels and
     its thresholds in its config, and its tokenizer cutting at the study's max_length (so a
-    pipeline with truncation=True reads what the model was trained on)."""
+    pipeline with truncation=True reads what the model was trained on). A model with
+    adapters is saved merged, as a plain transformers model; it is consumed."""
+    model = adapters.merged(model)
     config = model.config
     if task == "multilabel":
         config.id2label = dict(enumerate(label_names))
@@ -68,6 +72,18 @@ def save_model(directory: Path, model: torch.nn.Module, model_name: str,
     model.to(torch.float32).save_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(resolve(model_name), model_max_length=max_length)
     tokenizer.save_pretrained(directory)
+
+
+def _adapters(training: dict[str, Any]) -> str:
+    """The card's phrase for a model trained with adapters ("" for full fine-tuning)."""
+    if training.get("peft", "none") == "none":
+        return ""
+    config = TrainingConfig.model_validate(training)
+    targets = ", ".join(config.lora_target_modules or ["every linear layer of the body"])
+    return (f"{config.peft.upper()} adapters (peft: r {config.lora_r}, alpha "
+            f"{config.adapter_alpha():g}, dropout {config.lora_dropout:g}; on {targets}; body in "
+            f"{config.base_dtype} during training) merged into the weights, the head trained "
+            f"whole; ")
 
 
 def model_card(report: dict[str, Any]) -> str:
@@ -124,8 +140,9 @@ Trained on the {refit}. Settings (the trial's):
 {settings}
 
 Precision `{params['fp_precision']}` (autocast during training; weights saved in float32),
-effective batch {plan['effective_batch']} = {plan['physical_batch']} x
-{plan['grad_accum_steps']} accumulation, {plan['epochs']} epoch(s), on {report['device']}.
+{_adapters(report['training'])}effective batch {plan['effective_batch']} =
+{plan['physical_batch']} x {plan['grad_accum_steps']} accumulation, {plan['epochs']} epoch(s),
+on {report['device']}.
 
 ## Scores on the held-out test split
 

@@ -19,7 +19,7 @@ import pydantic
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import memory, metrics
+from hpo import adapters, memory, metrics
 from hpo.config import TrainingConfig
 from hpo.data import token_cache
 from hpo.data.batching import Encoded
@@ -165,7 +165,8 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     objective = resources.config.study.objective
     rule = "last" if refit else resources.config.study.objective_epoch
     device = resources.device
-    model = ModelStore().build(found.params.model_name, data.train.labels.shape[1], seed=seed)
+    model = adapters.build(ModelStore(), found.params.model_name, data.train.labels.shape[1],
+                           found.training.model_copy(update={"seed": seed}), plan.precision)
     trained = prepare(model, plan, device)
     kept: dict[str, Any] = {"epoch": 0, "score": None, "state": None}
     names = resources.label_names
@@ -197,6 +198,8 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     del trained
     if kept["state"] is not None:
         model.load_state_dict(kept["state"])
+    # Adapters folded into the body, all in float32: the model as it is exported.
+    model = adapters.merged(model).to(torch.float32)
     model.eval()
     # Scored as exported: float32 weights, no autocast, as a plain pipeline runs them.
     validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,

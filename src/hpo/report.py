@@ -33,9 +33,11 @@ class ConsoleReporter:
 
     def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None:
         searched = f"batch search {probes} probes" if probes else "batch from cache"
+        peft = params.extras.get("peft", "none")
+        adapter = "" if peft == "none" else f" peft={peft}"
         self.console.print(
-            f"trial {number} start: model={params.model_name} fp_precision={params.fp_precision} "
-            f"lr={params.learning_rate:.3g} effective {plan.effective_batch} = "
+            f"trial {number} start: model={params.model_name} fp_precision={params.fp_precision}"
+            f"{adapter} lr={params.learning_rate:.3g} effective {plan.effective_batch} = "
             f"{plan.physical_batch} x {plan.grad_accum_steps} accumulation "
             f"(eval batch {plan.eval_batch}, {searched})"
         )

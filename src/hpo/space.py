@@ -9,7 +9,7 @@ from typing import Any
 
 import optuna
 
-from hpo.config import FloatRange, IntRange, SearchSpace
+from hpo.config import ADAPTER_KEYS, FloatRange, IntRange, SearchSpace
 from hpo.errors import SpaceError
 from hpo.hardware import Device, native_precisions
 
@@ -121,12 +121,25 @@ def suggest(trial: optuna.Trial, pinned: PinnedSpace) -> Params:
             "target_effective_batch_size", space.target_effective_batch_size
         ),
         learning_rate=_suggest(trial, "learning_rate", space.learning_rate),
-        extras={name: _suggest(trial, name, dist) for name, dist in space.extras().items()},
+        extras=_extras(trial, space),
     )
     return params
 
 
-def _suggest(trial: optuna.Trial, name: str, dist: FloatRange | IntRange) -> float | int:
+def _extras(trial: optuna.Trial, space: SearchSpace) -> dict[str, Any]:
+    """The extra parameters; a trial without adapters samples no adapter setting (a
+    conditional parameter, which TPE with `group` models apart)."""
+    extras: dict[str, Any] = {}
+    for name, dist in space.extras().items():
+        if name in ADAPTER_KEYS and extras.get("peft", "none") == "none":
+            continue
+        extras[name] = _suggest(trial, name, dist)
+    return extras
+
+
+def _suggest(trial: optuna.Trial, name: str, dist: FloatRange | IntRange | list) -> Any:
+    if isinstance(dist, list):
+        return trial.suggest_categorical(name, dist)
     if isinstance(dist, IntRange):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
     return trial.suggest_float(name, dist.low, dist.high, log=dist.log)

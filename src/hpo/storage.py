@@ -29,7 +29,8 @@ from hpo.errors import StorageError
 DEFAULT_STORAGE = "sqlite:///hpo.db"
 # How long a call waits for the database to come back before the worker gives up.
 OUTAGE_SECONDS = 300.0
-# How long a worker waits for an unreachable database at start before exit code 2.
+# How long a command waits for an unreachable database at start before exit code 2, unless
+# HPO_STORAGE_WAIT says otherwise (a database that a deployment starts beside the workers).
 START_SECONDS = 15.0
 MAX_BACKOFF = 10.0
 
@@ -243,15 +244,18 @@ def open_storage(
     heartbeat_interval: int | None = None,
     grace_period: int | None = None,
     max_retry: int = 2,
-    start_seconds: float = START_SECONDS,
+    start_seconds: float | None = None,
     storage_class: type[ResilientRDBStorage] = ResilientRDBStorage,
 ) -> ResilientRDBStorage:
     """Open (creating its tables if needed) the storage at `url`.
 
     Many workers may start at once on an empty database: creating the schema races, and the
-    loser sees an integrity or programming error; it simply tries again.
+    loser sees an integrity or programming error; it simply tries again. An unreachable
+    database is tried again for `start_seconds` (default: `start_wait()`).
     """
     safe = redact(url)
+    if start_seconds is None:
+        start_seconds = start_wait()
     try:
         parsed = sqlalchemy.engine.make_url(url)
     except (sa_exc.ArgumentError, ValueError):
@@ -300,6 +304,20 @@ def open_storage(
                     f"storage {safe} cannot be opened{waited}: {detail}{_advice(detail)}"
                 ) from None
         time.sleep(min(2.0, 0.2 * attempt) * random.uniform(0.5, 1.5))
+
+
+def start_wait() -> float:
+    """HPO_STORAGE_WAIT seconds, else START_SECONDS."""
+    text = os.environ.get("HPO_STORAGE_WAIT")
+    if text is None:
+        return START_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise StorageError(f"HPO_STORAGE_WAIT={text!r}: expected a number of seconds, 0 or more")
+    return seconds
 
 
 def _cause(exc: BaseException) -> str:
