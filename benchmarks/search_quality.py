@@ -194,6 +194,10 @@ def wasted_share(trials: list[dict]) -> float:
     return lost / spent if spent else 0.0
 
 
+def shown(best: float | None) -> str:
+    return "-" if best is None else f"{best:.4f}"
+
+
 def render(results: dict, plot: Path) -> str:
     runs = results["runs"]
     n = results["n_trials"]
@@ -224,13 +228,13 @@ def render(results: dict, plot: Path) -> str:
                 best_by(peer["trials"], budget) or 0))
             for record in (ours, peer):
                 own = first_n(record["trials"], n)
-                reach = (f"{at:.0f} s ({share:.0%} of the peer's {peer['trial_budget_wall']:.0f} s)"
+                reach = (f"{at:.0f} s ({share:.1%} of the peer's {peer['trial_budget_wall']:.0f} s)"
                          if record is ours and at is not None else
-                         "not within T" if record is ours else "")
+                         "never" if record is ours else "")
                 lines.append(
                     f"| {seed} | {record['tool']} | {record['trial_budget_wall']:.0f} s | "
-                    f"{best_by(own, float('inf')):.4f} | {budget:.0f} s | "
-                    f"{best_by(record['trials'], budget):.4f} | {wasted_share(own):.0%} | "
+                    f"{shown(best_by(own, float('inf')))} | {budget:.0f} s | "
+                    f"{shown(best_by(record['trials'], budget))} | {wasted_share(own):.0%} | "
                     f"{reach} |")
         median = statistics.median(ratios)
         lines += [

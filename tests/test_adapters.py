@@ -2,6 +2,8 @@
 head train, the merged model is a plain transformers model that predicts as the adapted one,
 and `hpo run` checks, sizes the batch for and trains none, LoRA and DoRA side by side."""
 
+import copy
+
 import optuna
 import pytest
 import torch
@@ -53,6 +55,19 @@ def test_adapters_and_the_head_are_all_that_trains(replica, family, method):
     assert trainable == sum(model.get_parameter(n).numel() for n in trains) and trainable < total
 
 
+def test_the_optimizer_holds_only_what_trains(tiny_model):
+    from hpo.train import Plan, make_optimizer
+
+    plan = Plan(precision="none", effective_batch=8, physical_batch=8, eval_batch=8,
+                learning_rate=1e-4, weight_decay=0.01, warmup_ratio=0.0, max_grad_norm=1.0,
+                epochs=1, seed=0)
+    model = adapters.build(ModelStore(), str(tiny_model), 9, TrainingConfig(peft="lora"),
+                           "none")
+    held = sum(p.numel() for group in make_optimizer(model, plan, detect("cpu")).param_groups
+               for p in group["params"])
+    assert held == adapters.trainable_parameters(model)[0]
+
+
 def test_full_fine_tuning_trains_everything(tiny_model):
     model = adapters.build(ModelStore(), str(tiny_model), 9, TrainingConfig(), "none")
     assert not isinstance(model, PeftModel)
@@ -88,8 +103,25 @@ def test_a_bfloat16_body_is_only_for_bf16_adapter_trials(tiny_model):
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(**inputs()).logits.float().sum().backward()
-    full = adapters.build(ModelStore(), str(tiny_model), 9, training, "none")
-    assert {p.dtype for p in full.parameters()} == {torch.float32}
+    no_autocast = adapters.build(ModelStore(), str(tiny_model), 9, training, "none")
+    assert {p.dtype for p in no_autocast.parameters()} == {torch.float32}
+    full = adapters.build(ModelStore(), str(tiny_model), 9,
+                          TrainingConfig(base_dtype="bfloat16"), "bf16")
+    assert {p.dtype for p in full.parameters()} == {torch.float32}  # full fine-tuning
+
+
+def test_adapters_merge_into_a_bfloat16_body_in_float32(tiny_model):
+    training = TrainingConfig(peft="lora", base_dtype="bfloat16", lora_dropout=0.0)
+    model = adapters.build(ModelStore(), str(tiny_model), 9, training, "bf16")
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn_like(param))
+    reference = copy.deepcopy(model).to(torch.float32).eval()(**inputs()).logits
+    plain = adapters.merged(model).eval()
+    assert {p.dtype for p in plain.parameters()} == {torch.float32}
+    # Rounding the update to bfloat16 would be off by about 1e-3.
+    torch.testing.assert_close(plain(**inputs()).logits, reference, atol=2e-5, rtol=1e-4)
 
 
 def test_the_batch_cache_keys_tell_adapter_settings_apart():
@@ -97,8 +129,8 @@ def test_the_batch_cache_keys_tell_adapter_settings_apart():
     device = detect("cpu")
     keys = {cache_key(params, TrainingConfig(**settings), 128, device) for settings in (
         {}, {"peft": "lora"}, {"peft": "lora", "lora_r": 16}, {"peft": "dora"},
-        {"peft": "lora", "base_dtype": "bfloat16"})}
-    assert len(keys) == 5
+        {"peft": "lora", "base_dtype": "bfloat16"}, {"peft": "lora", "lora_dropout": 0.0})}
+    assert len(keys) == 6
     # Full fine-tuning keeps the key it had before adapters existed: caches stay valid.
     assert cache_key(params, TrainingConfig(), 128, device) == f"m|bf16|128|{device.cache_key}"
 

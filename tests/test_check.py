@@ -67,11 +67,17 @@ def test_run_checks_once_per_device_kind_and_skip_check_skips(tiny_study, storag
     assert verdicts(storage) is None
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "2"]) == 0
-    assert "checking 2 model(s) x 1 precision(s)" in capsys.readouterr().out
+    assert "checking 2 model x precision combination(s)" in capsys.readouterr().out
     assert len(verdicts(storage)) == 2
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "3"]) == 0
     assert "checking" not in capsys.readouterr().out  # kept for this kind of device
+    # A combination no worker has judged yet (an adapter method) is checked, and only it.
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "4", "--set", "training.peft=lora"]) == 0
+    assert "checking 2 model x precision x peft method combination(s)" in (
+        capsys.readouterr().out)
+    assert sorted(v.peft for v in verdicts(storage)) == ["lora", "lora", "none", "none"]
 
 
 def test_a_study_with_nothing_usable_stops_with_one_line(one_model_study, storage):

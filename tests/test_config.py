@@ -198,3 +198,33 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
                            "study.pruner.min_resource=2"])
     assert config.load(path, ["training.epochs=3", f"study.pruner.name={name}",
                               "study.pruner.min_resource=2"]).max_steps() == 3
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["search_space.lora_r=[4]"], "lora_r is searched, but peft has no lora or dora"),
+    (["search_space.peft=[lora]", "search_space.lora_alpha=[8]",
+      "search_space.lora_alpha_ratio=[2]"], "search lora_alpha or lora_alpha_ratio, not both"),
+    (["search_space.peft=[lora]", "search_space.lora_r={low: 0, high: 8}"],
+     "lora_r must be at least 1"),
+    (["search_space.peft=[lora]", "search_space.lora_alpha={low: 0, high: 8}"],
+     "lora_alpha must be above 0"),
+    (["search_space.peft=[lora]", "search_space.lora_dropout={low: 0, high: 1}"],
+     "lora_dropout must lie in"),
+    (["search_space.peft=[lora]", "search_space.lora_alpha_ratio=[1, 2]",
+      "training.lora_alpha=16"], "training.lora_alpha fixes alpha"),
+    (["search_space.peft=[none, lora]", "search_space.lora_r=[4, 8]",
+      "study.enqueue=[{lora_r: 8}]"],
+     r"study.enqueue\[0\]: lora_r is set, but the set may run without adapters"),
+    (["search_space.peft=[qlora]"], "search_space.peft.0"),
+])
+def test_adapter_settings_are_checked_when_the_file_is_read(tmp_path, overrides, message):
+    path = write(tmp_path, study_dict(["m"], tmp_path))
+    with pytest.raises(ConfigError, match=message):
+        config.load(path, overrides)
+
+
+def test_an_adapter_set_with_its_method_may_be_enqueued(tmp_path):
+    path = write(tmp_path, study_dict(["m"], tmp_path))
+    loaded = config.load(path, ["search_space.peft=[none, lora]", "search_space.lora_r=[4, 8]",
+                                "study.enqueue=[{peft: lora, lora_r: 8}, {peft: none}]"])
+    assert loaded.study.enqueue == [{"peft": "lora", "lora_r": 8}, {"peft": "none"}]

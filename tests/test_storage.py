@@ -88,6 +88,8 @@ def test_a_bad_storage_wait_is_refused_before_any_connection(monkeypatch, tmp_pa
 
 
 def test_the_storage_wait_bounds_the_retries_at_start(monkeypatch):
+    monkeypatch.setenv("HPO_STORAGE_WAIT", "")
+    assert storage.start_wait() == storage.START_SECONDS  # empty is unset
     monkeypatch.setenv("HPO_STORAGE_WAIT", "1.5")
     assert storage.start_wait() == 1.5
     started = time.monotonic()

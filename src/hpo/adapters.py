@@ -30,10 +30,12 @@ def describe(training: TrainingConfig) -> str:
 
 def cache_suffix(training: TrainingConfig, precision: str) -> str:
     """What the adapters change in a batch's memory, for the batch-size cache key: the
-    method (DoRA holds more activations) and rank, and a body kept in bfloat16."""
+    method (DoRA holds more activations) and rank, a body kept in bfloat16, and dropout
+    (which keeps a dropped copy of each adapted layer's input)."""
     if training.peft == "none":
         return ""
-    return f"|{training.peft}:{training.lora_r}:{body_dtype(training, precision)}"
+    dropout = ":dropout" if training.lora_dropout > 0 else ""
+    return f"|{training.peft}:{training.lora_r}:{body_dtype(training, precision)}{dropout}"
 
 
 def body_dtype(training: TrainingConfig, precision: str) -> str:
@@ -90,8 +92,10 @@ def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def merged(model: torch.nn.Module) -> torch.nn.Module:
-    """A plain transformers model: the adapters folded into the body's weights and the
-    trained head in place of the original, which any pipeline loads. Consumes `model`."""
+    """A plain float32 transformers model: the adapters folded into the body's weights (in
+    float32, so a bfloat16 body does not round the update away) and the trained head in
+    place of the original, which any pipeline loads. Consumes `model`."""
+    model = model.to(torch.float32)
     if isinstance(model, PeftModel):
         return model.merge_and_unload()
     return model

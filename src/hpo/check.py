@@ -76,15 +76,21 @@ def methods(resources: Resources) -> list[str]:
     return resources.pinned.declared.get("peft") or [resources.config.training.peft]
 
 
-def check_all(resources: Resources, precisions: tuple[str, ...]) -> Iterator[Verdict]:
-    """A verdict per model of the space x precision x adapter method, one real step each
-    (adapters at the training section's rank and dropout)."""
-    for model in resources.pinned.declared["model_name"]:
-        for precision in precisions:
-            for peft in methods(resources):
-                verdict = check_one(resources, model, precision, peft)
-                memory.release_memory()  # the step's tensors are gone with check_one
-                yield verdict
+def combinations(resources: Resources, precisions: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """Every model of the space x precision x adapter method."""
+    return [(model, precision, peft) for model in resources.pinned.declared["model_name"]
+            for precision in precisions for peft in methods(resources)]
+
+
+def check_all(resources: Resources, precisions: tuple[str, ...],
+              skip: frozenset[tuple[str, str, str]] = frozenset()) -> Iterator[Verdict]:
+    """A verdict per combination not in `skip`, one real step each (adapters at the
+    training section's rank and dropout)."""
+    for combination in combinations(resources, precisions):
+        if combination not in skip:
+            verdict = check_one(resources, *combination)
+            memory.release_memory()  # the step's tensors are gone with check_one
+            yield verdict
 
 
 def check_one(resources: Resources, model_name: str, precision: str,
@@ -147,15 +153,17 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
            report: ConsoleReporter) -> list[Verdict]:
     """The study's verdicts for this kind of device, checked now if no worker has; raises
     CheckError when nothing is usable."""
-    verdicts = stored(study, resources.device)
-    if verdicts is None:
-        adapters_checked = methods(resources)
-        per_adapter = (f" x {len(adapters_checked)} peft method(s)"
-                       if adapters_checked != ["none"] else "")
-        report.message(f"checking {len(resources.pinned.declared['model_name'])} model(s) x "
-                       f"{len(precisions)} precision(s){per_adapter} on "
-                       f"{resources.device.describe()}: one step each (--skip-check skips)")
-        verdicts = list(check_all(resources, precisions))
+    verdicts = stored(study, resources.device) or []
+    # Combinations already judged on this kind of device are not checked again; those no
+    # worker has judged yet (a study checked before it searched an adapter method) are.
+    done = frozenset((v.model, v.precision, v.peft) for v in verdicts)
+    missing = [c for c in combinations(resources, precisions) if c not in done]
+    if missing:
+        report.message(f"checking {len(missing)} model x precision"
+                       f"{' x peft method' if methods(resources) != ['none'] else ''} "
+                       f"combination(s) on {resources.device.describe()}: one step each "
+                       f"(--skip-check skips)")
+        verdicts = verdicts + list(check_all(resources, precisions, done))
         study.set_user_attr(key(resources.device), [asdict(v) for v in verdicts])
         report.message(table(verdicts))
     if not any(v.usable for v in verdicts):

@@ -124,6 +124,11 @@ class SearchSpace(_Section):
         if isinstance(self.lora_dropout, FloatRange) and not (
                 self.lora_dropout.low >= 0 and self.lora_dropout.high < 1):
             raise ValueError("lora_dropout must lie in [0, 1)")
+        if isinstance(self.lora_r, IntRange) and self.lora_r.low < 1:
+            raise ValueError("lora_r must be at least 1")
+        for name in ("lora_alpha", "lora_alpha_ratio"):
+            if isinstance(getattr(self, name), FloatRange) and getattr(self, name).low <= 0:
+                raise ValueError(f"{name} must be above 0")
         return self
 
     def extras(self) -> dict[str, FloatRange | IntRange | list]:
@@ -157,6 +162,11 @@ class SearchSpace(_Section):
                 return "fp_precision is auto in the search space: leave it out"
             else:
                 return f"{key} is not a parameter of the search space"
+        adapter_keys = [key for key in params if key in ADAPTER_KEYS]
+        peft = params.get("peft")
+        if adapter_keys and (peft == "none" or (peft is None and "none" in (self.peft or ()))):
+            return (f"{adapter_keys[0]} is set, but the set may run without adapters: give "
+                    f"peft: lora or dora")
         return None
 
 
@@ -296,6 +306,14 @@ class StudyConfig(_Section):
             why = self.search_space.rejects(params)
             if why is not None:
                 raise ValueError(f"study.enqueue[{index}]: {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _alpha(self) -> StudyConfig:
+        if self.search_space.lora_alpha_ratio is not None and (
+                self.training.lora_alpha is not None):
+            raise ValueError("search_space.lora_alpha_ratio is searched, but training.lora_alpha "
+                             "fixes alpha: remove one")
         return self
 
     @model_validator(mode="after")

@@ -74,7 +74,7 @@ def save_model(directory: Path, model: torch.nn.Module, model_name: str,
     tokenizer.save_pretrained(directory)
 
 
-def _adapters(training: dict[str, Any]) -> str:
+def _adapters(training: dict[str, Any], precision: str) -> str:
     """The card's phrase for a model trained with adapters ("" for full fine-tuning)."""
     if training.get("peft", "none") == "none":
         return ""
@@ -82,8 +82,8 @@ def _adapters(training: dict[str, Any]) -> str:
     targets = ", ".join(config.lora_target_modules or ["every linear layer of the body"])
     return (f"{config.peft.upper()} adapters (peft: r {config.lora_r}, alpha "
             f"{config.adapter_alpha():g}, dropout {config.lora_dropout:g}; on {targets}; body in "
-            f"{config.base_dtype} during training) merged into the weights, the head trained "
-            f"whole; ")
+            f"{adapters.body_dtype(config, precision)} during training) merged into the "
+            f"weights, the head trained whole; ")
 
 
 def model_card(report: dict[str, Any]) -> str:
@@ -140,7 +140,7 @@ Trained on the {refit}. Settings (the trial's):
 {settings}
 
 Precision `{params['fp_precision']}` (autocast during training; weights saved in float32),
-{_adapters(report['training'])}effective batch {plan['effective_batch']} =
+{_adapters(report['training'], params['fp_precision'])}effective batch {plan['effective_batch']} =
 {plan['physical_batch']} x {plan['grad_accum_steps']} accumulation, {plan['epochs']} epoch(s),
 on {report['device']}.
 

@@ -199,7 +199,7 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     if kept["state"] is not None:
         model.load_state_dict(kept["state"])
     # Adapters folded into the body, all in float32: the model as it is exported.
-    model = adapters.merged(model).to(torch.float32)
+    model = adapters.merged(model)
     model.eval()
     # Scored as exported: float32 weights, no autocast, as a plain pipeline runs them.
     validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,

@@ -279,6 +279,9 @@ def open_storage(
                 "keepalives_interval": 5, "keepalives_count": 3,
             }
     deadline = time.monotonic() + start_seconds
+    # Losing the race to create the schema is retried for the default wait even when
+    # HPO_STORAGE_WAIT is shorter: the database is there, another worker is creating it.
+    race_deadline = time.monotonic() + max(start_seconds, START_SECONDS)
     attempt = 0
     while True:
         attempt += 1
@@ -297,7 +300,7 @@ def open_storage(
         except Exception as exc:
             racing = isinstance(exc, sa_exc.IntegrityError | sa_exc.ProgrammingError)
             reachable_later = is_connection_error(exc) or racing
-            if not reachable_later or time.monotonic() >= deadline:
+            if not reachable_later or time.monotonic() >= (race_deadline if racing else deadline):
                 waited = f" after {attempt} attempts" if attempt > 1 else ""
                 detail = _scrub(_cause(exc), _password(url), parsed.password)
                 raise StorageError(
@@ -308,8 +311,8 @@ def open_storage(
 
 def start_wait() -> float:
     """HPO_STORAGE_WAIT seconds, else START_SECONDS."""
-    text = os.environ.get("HPO_STORAGE_WAIT")
-    if text is None:
+    text = os.environ.get("HPO_STORAGE_WAIT", "").strip()
+    if not text:
         return START_SECONDS
     try:
         seconds = float(text)
