@@ -161,3 +161,12 @@ def test_hpo_run_checks_sizes_and_trains_none_lora_and_dora(replica, small_data,
     batches = [k for k in study.user_attrs if k.startswith(StudyBatchCache.PREFIX)]
     assert len(batches) == 3  # one batch search per adapter setting
     assert any("|lora:" in k for k in batches) and any("|dora:" in k for k in batches)
+
+
+def test_the_model_card_names_the_body_dtype_the_trial_trained_with():
+    from hpo.export import _adapters
+
+    training = TrainingConfig(peft="lora", base_dtype="bfloat16").model_dump(mode="json")
+    assert "body in bfloat16 during training" in _adapters(training, "bf16")
+    assert "body in float32 during training" in _adapters(training, "none")
+    assert _adapters(TrainingConfig().model_dump(mode="json"), "bf16") == ""
