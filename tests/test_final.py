@@ -82,6 +82,21 @@ def macro_f1(predicted: dict[str, set], gold: dict[str, set], names) -> float:
     return sum(scores) / len(scores)
 
 
+def pipeline_macro_f1(output, data, cwd) -> float:
+    """The export's test macro-F1 as a plain transformers pipeline, in a process of its own,
+    scores it at the config's thresholds."""
+    result = subprocess.run(
+        [sys.executable, "-c", PIPELINE, str(output), str(data)], capture_output=True,
+        text=True, timeout=300, cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    predicted = {i: set(labels) for i, labels in
+                 json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    report = json.loads((output / "report.json").read_text())
+    gold = gold_symptoms(data, report["data"]["test_post_ids"])
+    return macro_f1(predicted, gold, list(report["exported"]["thresholds"]))
+
+
 def test_the_exported_model_scores_in_a_plain_pipeline_as_the_report_says(
         study, tmp_path, small_data, capsys):
     study_file, storage = study
@@ -105,15 +120,7 @@ def test_the_exported_model_scores_in_a_plain_pipeline_as_the_report_says(
     assert report["baseline"]["name"] == "all_positive"
     assert f"test macro_f1 {exported['test']['macro_f1']:.4f}" in shown
 
-    result = subprocess.run(
-        [sys.executable, "-c", PIPELINE, str(output), str(small_data)], capture_output=True,
-        text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr
-    predicted = {i: set(labels) for i, labels in
-                 json.loads(result.stdout.strip().splitlines()[-1]).items()}
-    gold = gold_symptoms(small_data, report["data"]["test_post_ids"])
-    assert macro_f1(predicted, gold, list(exported["thresholds"])) == pytest.approx(
+    assert pipeline_macro_f1(output, small_data, tmp_path) == pytest.approx(
         exported["test"]["macro_f1"], abs=1e-4)
 
     config = json.loads((output / "config.json").read_text())
@@ -263,15 +270,6 @@ def test_a_model_trained_with_adapters_is_exported_merged_for_a_plain_pipeline(
     report = json.loads((output / "report.json").read_text())
     assert report["runs"][0]["validation"] == pytest.approx(trial.value, abs=1e-4)
     assert not (output / "adapter_config.json").exists()
-    result = subprocess.run(
-        [sys.executable, "-c", PIPELINE, str(output), str(small_data)], capture_output=True,
-        text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr
-    predicted = {i: set(labels) for i, labels in
-                 json.loads(result.stdout.strip().splitlines()[-1]).items()}
-    exported = report["exported"]
-    gold = gold_symptoms(small_data, report["data"]["test_post_ids"])
-    assert macro_f1(predicted, gold, list(exported["thresholds"])) == pytest.approx(
-        exported["test"]["macro_f1"], abs=1e-4)
+    assert pipeline_macro_f1(output, small_data, tmp_path) == pytest.approx(
+        report["exported"]["test"]["macro_f1"], abs=1e-4)
     assert "DORA adapters (peft: r 8, alpha 16" in (output / "README.md").read_text()

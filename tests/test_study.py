@@ -246,18 +246,24 @@ def test_a_warm_start_runs_the_other_study_s_best_trials_first(tiny_study, tmp_p
     assert len(err) == 1 and "study.warm_start_from nosuch: no such study" in err[0]
 
 
-def test_the_sampler_settings_reach_optuna(tiny_study, monkeypatch):
-    from hpo.config import load
-    from hpo.study import make_sampler
-
-    made = {}
-    original = optuna.samplers.TPESampler
+def spy_on(monkeypatch, module, name: str) -> dict:
+    """The keyword arguments the last `module.name(...)` was made with."""
+    made: dict = {}
+    original = getattr(module, name)
 
     def spy(**kwargs):
         made.update(kwargs)
         return original(**kwargs)
 
-    monkeypatch.setattr(optuna.samplers, "TPESampler", spy)
+    monkeypatch.setattr(module, name, spy)
+    return made
+
+
+def test_the_sampler_settings_reach_optuna(tiny_study, monkeypatch):
+    from hpo.config import load
+    from hpo.study import make_sampler
+
+    made = spy_on(monkeypatch, optuna.samplers, "TPESampler")
     make_sampler(load(tiny_study, ["study.sampler.name=tpe"]))
     assert (made["multivariate"], made["group"], made["constant_liar"]) == (True, False, True)
     make_sampler(load(tiny_study, ["study.sampler.name=tpe", "study.sampler.group=true",
@@ -290,13 +296,6 @@ def test_hyperband_s_resource_is_the_epochs_or_folds_a_trial_reports(tiny_study,
                                                                       overrides, steps):
     from hpo.study import make_pruner
 
-    made = {}
-    original = optuna.pruners.HyperbandPruner
-
-    def spy(**kwargs):
-        made.update(kwargs)
-        return original(**kwargs)
-
-    monkeypatch.setattr(optuna.pruners, "HyperbandPruner", spy)
+    made = spy_on(monkeypatch, optuna.pruners, "HyperbandPruner")
     make_pruner(load(tiny_study, [*overrides, "study.pruner.name=hyperband"]))
     assert made == {"min_resource": 1, "max_resource": steps, "reduction_factor": 3}
