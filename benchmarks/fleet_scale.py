@@ -115,7 +115,7 @@ def fleet_worker(url: str, trials: int, reports, go, release) -> None:
     from optuna.trial import TrialState
 
     from hpo.errors import one_line
-    from hpo.executor import Outcome
+    from hpo.outcome import Outcome
     from hpo.storage import open_storage
     from hpo.worker import run_worker
 
@@ -130,9 +130,9 @@ def fleet_worker(url: str, trials: int, reports, go, release) -> None:
     reports.put(("opened", None))
     go.wait()
 
-    def run_trial(study, trial):
-        value = objective(trial)
-        return Outcome(TrialState.COMPLETE, value=value), study.tell(trial, value)
+    def run_trial(study, live):
+        value = objective(live.trial)
+        return Outcome(TrialState.COMPLETE, value=value), study.tell(live.trial, value)
 
     try:
         result = run_worker(study, storage, run_trial, _Quiet(), n_trials=trials,
@@ -254,7 +254,7 @@ def claims(sizes: list[int], per_size: int = 50) -> None:
     from optuna.distributions import FloatDistribution
     from optuna.trial import TrialState, create_trial
 
-    from hpo.executor import Outcome
+    from hpo.outcome import Outcome
     from hpo.storage import open_storage
     from hpo.worker import run_worker
 
@@ -276,11 +276,11 @@ def claims(sizes: list[int], per_size: int = 50) -> None:
             ) for _ in range(max(0, size - have))])
             marks: list[tuple[float, float, float]] = []  # start, before tell, end
 
-            def run_trial(study, trial, marks=marks):
+            def run_trial(study, live, marks=marks):
                 start = time.perf_counter()
-                value = objective(trial)
+                value = objective(live.trial)
                 before_tell = time.perf_counter()
-                frozen = study.tell(trial, value)
+                frozen = study.tell(live.trial, value)
                 marks.append((start, before_tell, time.perf_counter()))
                 return Outcome(TrialState.COMPLETE, value=value), frozen
 

@@ -47,7 +47,7 @@ def plain_worker(url: str, trials: int, start) -> None:
 
 
 def hpo_worker(url: str, trials: int, start) -> None:
-    from hpo.executor import Outcome
+    from hpo.outcome import Outcome
     from hpo.storage import open_storage
     from hpo.worker import run_worker
 
@@ -56,9 +56,9 @@ def hpo_worker(url: str, trials: int, start) -> None:
     study = optuna.create_study(study_name="bench", storage=storage, load_if_exists=True,
                                 sampler=optuna.samplers.RandomSampler())
 
-    def run_trial(study: optuna.Study, trial: optuna.Trial):
-        value = objective(trial)
-        return Outcome(TrialState.COMPLETE, value=value), study.tell(trial, value)
+    def run_trial(study: optuna.Study, live):
+        value = objective(live.trial)
+        return Outcome(TrialState.COMPLETE, value=value), study.tell(live.trial, value)
 
     class Quiet:
         def message(self, text: str) -> None: ...

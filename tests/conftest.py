@@ -249,3 +249,22 @@ def start_worker(study_file: Path, storage: str, n: int, *extra: str,
 def trial_states(storage: str, name: str = "tiny") -> Counter:
     study = optuna.load_study(study_name=name, storage=storage)
     return Counter(t.state for t in study.trials)
+
+
+def run_in_process(study_file: Path, storage: str, n: int, *extra: str) -> int:
+    """`hpo run` in this process: its exit code."""
+    from hpo.cli import main
+
+    return main(["run", "--config", str(study_file), "--storage", storage,
+                 "--n-trials", str(n), *extra])
+
+
+def trials_of(storage: str, name: str = "tiny") -> list[optuna.trial.FrozenTrial]:
+    study = optuna.load_study(study_name=name, storage=storage)
+    return sorted(study.trials, key=lambda t: t.number)
+
+
+@pytest.fixture
+def storage(tmp_path) -> str:
+    """A SQLite storage of the test's own."""
+    return f"sqlite:///{tmp_path / 'hpo.db'}"

@@ -16,9 +16,9 @@ from transformers import AutoModelForSequenceClassification
 from hpo import adapters, check
 from hpo.cli import main
 from hpo.config import TrainingConfig
-from hpo.executor import cache_key
 from hpo.hardware import detect
 from hpo.models import ModelStore
+from hpo.planning import cache_key
 from hpo.space import Params
 from hpo.study import StudyBatchCache
 

@@ -3,48 +3,12 @@ states: out of memory, a non-finite loss and the pruner prune; anything else fai
 alone. Real training of tiny models; OOMs injected (HPO_FAULT_*)."""
 
 import math
-from collections import defaultdict
 
 import optuna
 import pytest
+from conftest import run_in_process as run
+from conftest import trials_of as trials
 from optuna.trial import TrialState
-
-from hpo.cli import main
-
-
-def run(study_file, storage, n, *extra) -> int:
-    return main(["run", "--config", str(study_file), "--storage", storage,
-                 "--n-trials", str(n), *extra])
-
-
-def trials(storage: str) -> list[optuna.trial.FrozenTrial]:
-    study = optuna.load_study(study_name="tiny", storage=storage)
-    return sorted(study.trials, key=lambda t: t.number)
-
-
-@pytest.fixture
-def storage(tmp_path) -> str:
-    return f"sqlite:///{tmp_path / 'hpo.db'}"
-
-
-def test_oom_above_batch_gives_physical_batch_four_and_a_cached_search(
-    tiny_study, storage, monkeypatch
-):
-    monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "5")
-    assert run(tiny_study, storage, 6) == 0
-    probes = defaultdict(list)
-    for trial in trials(storage):
-        assert trial.state == TrialState.COMPLETE
-        assert trial.user_attrs["physical_batch_size"] == 4
-        assert trial.user_attrs["effective_batch_size"] == (
-            trial.params["target_effective_batch_size"])
-        assert trial.user_attrs["grad_accum_steps"] == math.ceil(
-            trial.params["target_effective_batch_size"] / 4)
-        probes[trial.params["model_name"]].append(trial.user_attrs["batch_probes"])
-    assert probes, "no trial ran"
-    for model_probes in probes.values():
-        assert 1 <= model_probes[0] <= 9
-        assert all(p == 0 for p in model_probes[1:])
 
 
 def test_oom_in_training_prunes_the_trial_and_lowers_the_cached_batch(
@@ -79,20 +43,6 @@ def test_nan_loss_prunes_the_trial(tiny_study, storage, monkeypatch):
         assert trial.user_attrs["error"].startswith("loss nan at epoch 1, step 1")
 
 
-def test_a_compile_failure_trains_the_trial_eagerly_with_a_warning(
-        one_model_study, storage, monkeypatch, capsys):
-    monkeypatch.setenv("HPO_FAULT_COMPILE", "backward")
-    assert run(one_model_study, storage, 1, "--set", "training.compile=true") == 0
-    (trial,) = trials(storage)
-    assert trial.state == TrialState.COMPLETE
-    assert trial.user_attrs["compiled"] is False
-    assert "HPO_FAULT_COMPILE=backward" in trial.user_attrs["compile_error"]
-    warnings = [line for line in capsys.readouterr().err.splitlines()
-                if "torch.compile failed" in line]
-    assert len(warnings) == 1 and warnings[0].startswith(
-        "hpo: warning: trial 0: torch.compile failed, so the trial trains without it")
-
-
 def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
     assert run(tiny_study, storage, 2, "--set", "training.epochs=3") == 0
@@ -102,21 +52,14 @@ def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
         assert list(trial.intermediate_values) == [1]
 
 
-def test_the_last_epoch_is_never_pruned(tiny_study, storage, monkeypatch):
-    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
-    assert run(tiny_study, storage, 1, "--set", "training.epochs=1") == 0
-    (trial,) = trials(storage)
-    assert trial.state == TrialState.COMPLETE and list(trial.intermediate_values) == [1]
-
-
 def test_other_errors_fail_the_trial_with_the_error_recorded(tiny_study, storage, monkeypatch,
                                                              capsys):
-    import hpo.executor
+    import hpo.drivers
 
     def broken(*args, **kwargs):
         raise ValueError("broken collate")
 
-    monkeypatch.setattr(hpo.executor, "train", broken)
+    monkeypatch.setattr(hpo.drivers, "train", broken)
     assert run(tiny_study, storage, 5) == 1
     ended = trials(storage)
     assert len(ended) == 3  # then the worker's circuit breaker stops it
@@ -127,27 +70,6 @@ def test_other_errors_fail_the_trial_with_the_error_recorded(tiny_study, storage
         assert trial.user_attrs["physical_batch_size"] >= 1  # planned before it failed
     assert "3 trials in a row failed; last error: ValueError: broken collate" in (
         capsys.readouterr().err)
-
-
-@pytest.mark.parametrize("rule", ["best", "last"])
-def test_a_trials_value_is_its_best_or_last_epoch_and_the_pruner_sees_the_same(
-    tiny_study, storage, rule
-):
-    assert run(tiny_study, storage, 3, "--set", "training.epochs=4", "--set",
-               "study.pruner.name=none", "--set", f"study.objective_epoch={rule}") == 0
-    for trial in trials(storage):
-        scores = trial.user_attrs["epoch_scores"]
-        assert len(scores) == 4
-        reported = [trial.intermediate_values[epoch] for epoch in range(1, 5)]
-        if rule == "best":
-            chosen = scores.index(max(scores))
-            assert reported == pytest.approx([max(scores[:i]) for i in range(1, 5)], abs=1e-4)
-        else:
-            chosen = 3
-            assert reported == pytest.approx(scores, abs=1e-4)
-        assert trial.user_attrs["value_epoch"] == chosen + 1
-        assert trial.value == pytest.approx(scores[chosen], abs=1e-4)
-        assert trial.user_attrs["macro_f1"] == pytest.approx(scores[chosen], abs=1e-4)
 
 
 def test_every_trial_releases_memory_after_it_ends(tiny_study, storage, monkeypatch):
@@ -169,7 +91,7 @@ def test_every_trial_releases_memory_after_it_ends(tiny_study, storage, monkeypa
 
 def _reap_during_first_epoch(monkeypatch, storage_url: str, claimed_by_another: bool):
     """Make the reaper strike while trial 0 trains: on its first epoch, another worker fails
-    it and queues its retry copy, as worker.reap does with a trial whose heartbeats stopped;
+    it and queues its retry copy, as liveness.reap does with a trial whose heartbeats stopped;
     with `claimed_by_another`, that worker then also claims and finishes the copy."""
     from hpo import report
     from hpo.storage import open_storage
@@ -226,32 +148,44 @@ def test_a_trial_reaped_while_it_ran_whose_retry_was_taken_is_dropped_with_a_war
     assert "trial 0 value" not in captured.out
 
 
-def test_cross_validation_scores_each_fold_and_searches_the_batch_once(
-        one_model_study, storage, monkeypatch):
-    import hpo.executor
+def test_every_end_of_a_trial_is_mapped_to_its_state_in_one_function():
+    """executor.outcome_of: each way a trial can end, and the state it is told with."""
+    import signal
 
-    searches = []
-    original = hpo.executor._find_batch
-    monkeypatch.setattr(hpo.executor, "_find_batch",
-                        lambda *a, **k: searches.append(1) or original(*a, **k))
-    assert run(one_model_study, storage, 2, "--set", "data.cv_folds=3") == 0
-    ended = trials(storage)
-    assert len(searches) == len(ended) == 2  # once per trial, not once per fold
-    for trial in ended:
-        assert trial.state == TrialState.COMPLETE
-        folds = trial.user_attrs["fold_scores"]
-        assert len(folds) == 3
-        assert trial.value == pytest.approx(sum(folds) / 3, abs=1e-4)
-        assert list(trial.intermediate_values) == [1, 2, 3]
-        assert trial.intermediate_values[3] == pytest.approx(trial.value)
-        assert len(trial.user_attrs["fold_value_epochs"]) == 3
+    import torch
 
+    from hpo.check import Unusable
+    from hpo.errors import Terminated
+    from hpo.executor import outcome_of
+    from hpo.outcome import ChildDied, GivenBack, Reaped
+    from hpo.train import NonFiniteLoss
 
-def test_a_cross_validated_trial_is_pruned_after_its_first_fold(one_model_study, storage,
-                                                                monkeypatch):
-    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
-    assert run(one_model_study, storage, 1, "--set", "data.cv_folds=3") == 0
-    (trial,) = trials(storage)
-    assert trial.state == TrialState.PRUNED and trial.user_attrs["prune_reason"] == "pruner"
-    assert list(trial.intermediate_values) == [1]
-    assert len(trial.user_attrs["fold_scores"]) == 1
+    cases = [
+        (None, TrialState.COMPLETE, None, None),
+        (optuna.TrialPruned("pruned at epoch 1"), TrialState.PRUNED, "pruner", None),
+        (Unusable("m fp16: loss nan"), TrialState.PRUNED, "unusable", "m fp16: loss nan"),
+        (NonFiniteLoss("loss nan at epoch 1"), TrialState.PRUNED, "nan_loss",
+         "loss nan at epoch 1"),
+        (torch.OutOfMemoryError("CUDA out of memory"), TrialState.PRUNED, "oom",
+         "OutOfMemoryError: CUDA out of memory"),
+        (ChildDied(-signal.SIGKILL, ("k", 8)), TrialState.PRUNED, "oom",
+         "trial process killed by SIGKILL (as the OOM killer does) at micro-batch 8"),
+        (ChildDied(-signal.SIGKILL, None), TrialState.PRUNED, "oom",
+         "trial process killed by SIGKILL (as the OOM killer does) before it tried a batch"),
+        (ChildDied(-signal.SIGABRT, ("k", 8)), TrialState.FAIL, None,
+         "trial process killed by SIGABRT"),
+        (KeyboardInterrupt(), TrialState.FAIL, None, "interrupted by Ctrl-C"),
+        (Terminated("SIGTERM"), TrialState.FAIL, None, "interrupted by SIGTERM"),
+        (GivenBack("given back"), TrialState.FAIL, None, "given back"),
+        (ValueError("broken collate"), TrialState.FAIL, None, "ValueError: broken collate"),
+    ]
+    for ended, state, reason, error in cases:
+        outcome = outcome_of(3, ended, 0.5 if ended is None else None)
+        assert (outcome.state, outcome.prune_reason, outcome.error) == (state, reason, error), \
+            ended
+        assert outcome.dropped is None
+    assert outcome_of(3, None, 0.5).value == 0.5
+    for lost in (Reaped("trial 3 was reaped while it ran"),
+                 optuna.exceptions.UpdateFinishedTrialError("finished")):
+        outcome = outcome_of(3, lost)
+        assert outcome.state == TrialState.FAIL and outcome.dropped.startswith("trial 3 was ")

@@ -150,39 +150,6 @@ def test_the_shared_batch_cache_is_updated_under_the_study_lock(any_storage):
     storage.engine.dispose()
 
 
-# ask() without Study.optimize is how hpo's own loop claims trials too (worker._ask).
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_a_reaped_trial_is_carried_over_to_its_retry_copy_once(any_storage):
-    from optuna.trial import TrialState
-
-    from hpo.storage import open_storage
-    from hpo.study import carry_over
-
-    storage = open_storage(any_storage, heartbeat_interval=30, grace_period=120)
-    study = optuna.create_study(study_name="c", storage=storage, direction="maximize")
-    trial = study.ask()
-    x = trial.suggest_float("x", 0.0, 1.0)
-    trial.report(0.1, 1)
-    trial.set_user_attr("physical_batch_size", 4)
-    assert carry_over(study, trial) is None  # not reaped: nothing to carry over
-    # The reaper's two steps (worker._reap): fail it, queue its copy.
-    storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
-    storage.get_heartbeat_stale_trial_callback()(study, storage.get_trial(trial._trial_id))
-    assert carry_over(study, trial) == 0
-    # `trial` now stands for the copy: Trial's private `_trial_id`, which hpo reads, with it.
-    assert (trial.number, trial._trial_id) == (1, storage.get_trial_id_from_study_id_trial_number(
-        storage.get_study_id_from_name("c"), 1))
-    assert trial.params == {"x": x}
-    trial.report(0.2, 2)
-    study.tell(trial, 0.3)
-    reaped, kept = study.get_trials()
-    assert (reaped.state, kept.state) == (TrialState.FAIL, TrialState.COMPLETE)
-    assert kept.intermediate_values == {1: 0.1, 2: 0.2}
-    assert kept.user_attrs == {"physical_batch_size": 4, "result_of": 0}
-    assert carry_over(study, optuna.trial.Trial(study, reaped._trial_id)) is None  # claimed
-    storage.engine.dispose()
-
-
 def test_a_worker_on_another_data_split_is_refused(one_model_study, tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
     assert main(["create", "--config", str(one_model_study), "--storage", storage,

@@ -14,10 +14,10 @@ from optuna.trial import TrialState
 from hpo.cli import main
 from hpo.config import load
 from hpo.errors import Terminated
-from hpo.executor import Outcome
-from hpo.storage import open_storage, single_attempt
+from hpo.outcome import Outcome
+from hpo.storage import open_storage
 from hpo.study import make_sampler
-from hpo.worker import WorkerStopped, below_baseline_warning, heartbeat, reap, run_worker
+from hpo.worker import WorkerStopped, below_baseline_warning, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -38,7 +38,8 @@ class Quiet:
 def ending_in(state: TrialState):
     """A trial runner that ends every trial in `state` at once, with no training."""
 
-    def run(study: optuna.Study, trial: optuna.Trial):
+    def run(study: optuna.Study, live):
+        trial = live.trial
         trial.suggest_float("x", 0.0, 1.0)
         value = 0.5 if state == TrialState.COMPLETE else None
         return Outcome(state, value=value, error="broken"), study.tell(trial, value, state=state)
@@ -83,8 +84,8 @@ def test_an_interrupted_trial_is_failed_with_the_reason_and_requeued_at_once(tmp
                            grace_period=120)
     study = optuna.create_study(study_name="w", storage=storage)
 
-    def interrupted(study, trial):
-        trial.suggest_float("x", 0.0, 1.0)
+    def interrupted(study, live):
+        live.trial.suggest_float("x", 0.0, 1.0)
         raise stop()
 
     reporter = Quiet()
@@ -107,7 +108,7 @@ def test_an_interrupted_trial_whose_retries_are_used_up_stays_failed(tmp_path):
                            grace_period=120, max_retry=0)
     study = optuna.create_study(study_name="w", storage=storage)
 
-    def interrupted(study, trial):
+    def interrupted(study, live):
         raise KeyboardInterrupt
 
     reporter = Quiet()
@@ -158,27 +159,6 @@ def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_pat
     assert len(set(restarted)) == 6  # trials 3-5 are not trials 0-2 again
     # Still reproducible: the same values as one worker that never stopped.
     assert search("uninterrupted.db", (6,)) == restarted
-
-
-# ask() without Study.optimize is how hpo's own loop claims trials too (worker._ask).
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_a_trial_that_never_beat_is_reaped_by_its_start_time(any_storage):
-    storage = open_storage(any_storage, heartbeat_interval=1, grace_period=2)
-    study = optuna.create_study(study_name="w", storage=storage)
-    study_id = storage.get_study_id_from_name("w")
-    silent = study.ask()  # its worker was killed before its first heartbeat
-    silent.suggest_float("x", 0.0, 1.0)
-    beating = study.ask()
-    storage.record_heartbeat(beating._trial_id)
-    reap(study, storage, study_id)
-    assert [t.state for t in study.trials] == [TrialState.RUNNING] * 2  # within the grace
-    time.sleep(2.5)
-    storage.record_heartbeat(beating._trial_id)
-    for _ in range(2):  # a second reaping finds nothing more to do
-        reap(study, storage, study_id)
-        states = [t.state for t in study.trials]
-        assert states == [TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING]
-    assert study.trials[2].params == study.trials[0].params
 
 
 def test_run_on_each_backend(tiny_study, any_storage):
@@ -271,33 +251,6 @@ def test_killed_worker_trial_is_failed_and_retried_by_a_waiting_worker(tiny_stud
     storage.engine.dispose()
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_reapers_take_turns_so_a_stale_trial_is_queued_once(any_storage):
-    import threading
-
-    from hpo import budget
-
-    storage = open_storage(any_storage, heartbeat_interval=1, grace_period=1)
-    study = optuna.create_study(study_name="w", storage=storage)
-    study_id = storage.get_study_id_from_name("w")
-    stale = study.ask()
-    stale.suggest_float("x", 0.0, 1.0)
-    storage.record_heartbeat(stale._trial_id)
-    time.sleep(2)
-    with budget.study_lock(storage.engine, "w"):  # a worker claiming a trial meanwhile
-        reapers = [threading.Thread(target=reap, args=(study, storage, study_id))
-                   for _ in range(2)]
-        for reaper in reapers:
-            reaper.start()
-        time.sleep(1)
-        assert storage.get_trial(stale._trial_id).state == TrialState.RUNNING
-    for reaper in reapers:
-        reaper.join()
-    states = Counter(t.state for t in study.get_trials())
-    assert states == {TrialState.FAIL: 1, TrialState.WAITING: 1}
-    storage.engine.dispose()
-
-
 def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_overshoots(
         bare_study, monkeypatch):
     from hpo import budget
@@ -318,75 +271,6 @@ def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_oversh
     assert (given_back.state, other.state) == (TrialState.FAIL, TrialState.COMPLETE)
     assert "given back to keep the budget exact" in given_back.user_attrs["error"]
     assert "trial 0 given back" in reporter.messages[0]
-
-
-@pytest.fixture
-def outage_pair(tmp_path):
-    """A private server that tests may stop, and two workers' storages on it (heartbeat 1 s,
-    grace 3 s) sharing a study: one whose trial runs, one that watches and reaps."""
-    from postgres import PrivateServer
-
-    server = PrivateServer(tmp_path)
-    server.start()
-    opened = []
-    try:
-        live, reaper = (open_storage(server.url, heartbeat_interval=1, grace_period=3)
-                        for _ in range(2))
-        opened = [live, reaper]
-        study = optuna.create_study(study_name="o", storage=live)
-        watched = optuna.load_study(study_name="o", storage=reaper)
-        yield server, live, study, reaper, watched, reaper.get_study_id_from_name("o")
-    finally:
-        for s in opened:
-            s.engine.dispose()
-        server.destroy()
-
-
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_a_live_trial_outlives_an_outage_longer_than_the_grace_period(outage_pair):
-    """Every heartbeat stops while the database is down; a reaper that was cut off too waits
-    a grace period of unbroken contact, in which the live trial beats again, before judging."""
-    server, live, study, reaper, watched, study_id = outage_pair
-    trial = study.ask()
-    assert not reaper.trusts_heartbeats()  # just started: it cannot know yet
-    with heartbeat(live, trial):
-        time.sleep(3.5)
-        assert reaper.trusts_heartbeats()
-        server.stop()
-        with pytest.raises(optuna.exceptions.StorageInternalError), single_attempt():
-            reaper.get_all_studies()
-        assert not reaper.trusts_heartbeats()
-        time.sleep(6)  # twice the grace period without a heartbeat
-        server.start_again()
-        reaped_at = None
-        deadline = time.monotonic() + 8
-        while time.monotonic() < deadline:
-            watched.get_trials(deepcopy=False)  # the loop's polling, which regains contact
-            if reaped_at is None and reaper.trusts_heartbeats():
-                reaped_at = time.monotonic()
-            if reaper.trusts_heartbeats():
-                reap(watched, reaper, study_id)
-            time.sleep(0.5)
-        assert reaped_at is not None, "the reaper never trusted the heartbeats again"
-        assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
-
-
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
-def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(outage_pair):
-    """A worker with no trial of its own meets the outage only in taking the study lock:
-    the lock's wait tells its contact too, so it does not reap the moment it gets the lock."""
-    import threading
-
-    server, live, study, idle, watched, study_id = outage_pair
-    trial = study.ask()
-    live.record_heartbeat(trial._trial_id)  # its worker beats, then the outage stops it
-    time.sleep(3.5)
-    assert idle.trusts_heartbeats()
-    server.stop()
-    threading.Timer(6.0, server.start_again).start()
-    reap(watched, idle, study_id)  # meets the outage in waiting for the lock
-    assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
-    assert not idle.trusts_heartbeats()
 
 
 def test_no_trial_reads_the_test_split(tmp_path, tiny_model, small_data, monkeypatch):

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import optuna
 import torch
@@ -25,13 +25,14 @@ from hpo.hardware import Device
 from hpo.resources import Resources
 from hpo.train import Plan, autocast, prepare, probe_step
 
-if TYPE_CHECKING:  # hpo.report imports the executor, which imports this module
-    from hpo.report import ConsoleReporter
-
 PREFIX = "check:"
 # Two sequences of max_length tokens: the step runs every kernel a trial's step runs, in
 # seconds, with memory to spare on any device that trains the model at all.
 BATCH = 2
+
+
+class Reporter(Protocol):
+    def message(self, text: str) -> None: ...
 
 
 class Unusable(Exception):
@@ -106,7 +107,7 @@ def check_one(resources: Resources, model_name: str, precision: str,
         tokenizer = resources.models.tokenizer(model_name)
         model = adapters.build(resources.models, model_name, len(resources.label_names),
                                training, precision)
-        attention = model.config._attn_implementation  # private; see executor.train_trial
+        attention = model.config._attn_implementation  # private; see records.record_model
         model = prepare(model, plan, device)
         length = min(config.data.max_length, tokenizer.model_max_length)
         probe = memory.device_memory_probe(device)
@@ -150,7 +151,7 @@ def _predictions_not_finite(model: torch.nn.Module, plan: Plan, device: Device,
 
 
 def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...],
-           report: ConsoleReporter) -> list[Verdict]:
+           report: Reporter) -> list[Verdict]:
     """The study's verdicts for this kind of device, checked now if no worker has; raises
     CheckError when nothing is usable."""
     verdicts = stored(study, resources.device) or []

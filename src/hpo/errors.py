@@ -1,4 +1,4 @@
-"""The errors that mean bad input, and the one that means "stop". Each bad-input message is
+"""The errors that mean bad input, and the ones that mean "stop". Each bad-input message is
 one line naming the culprit, and the CLI maps every one of them to exit code 2. Nothing heavy
 is imported here, so `hpo` reports a bad study file or option (and shows `--help`) without
 first loading torch and transformers.
@@ -7,6 +7,10 @@ first loading torch and transformers.
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`docker stop`, Kubernetes evicting a pod): the worker stops as on Ctrl-C."""
+
+
+class WorkerStopped(RuntimeError):
+    """The worker gave up: too many trials in a row failed."""
 
 
 class CheckError(ValueError):

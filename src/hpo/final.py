@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optuna
 import pydantic
@@ -25,17 +25,16 @@ from hpo.data import token_cache
 from hpo.data.batching import Encoded
 from hpo.data.splits import Splits
 from hpo.data.tasks import build_examples
+from hpo.drivers import BestEpoch, scorer
 from hpo.errors import ConfigError, SpaceError
-from hpo.executor import base_plan, fit_batch
 from hpo.hardware import native_precisions
 from hpo.models import ModelStore
+from hpo.planning import base_plan, fit_batch
+from hpo.report import ConsoleReporter as Reporter
 from hpo.resources import Resources
 from hpo.space import Params
 from hpo.study import StudyBatchCache
-from hpo.train import Plan, balanced_pos_weight, predict, prepare, train
-
-if TYPE_CHECKING:
-    from hpo.report import ConsoleReporter as Reporter
+from hpo.train import Plan, loss_pos_weight, predict, prepare, train
 
 SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate")
 
@@ -159,8 +158,9 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
               seed: int, *, refit: bool, reporter: Reporter,
               ) -> tuple[Run, torch.nn.Module]:
     """Train the trial's configuration with `seed` (its data order and dropout; the head is
-    initialised from it too) and score the weights of the epoch the study's rule keeps.
-    Returns the run and the model with those weights, on the device."""
+    initialised from it too) and score the weights of the epoch the study's rule keeps, as
+    the search's trials do (`drivers.scorer`, `drivers.BestEpoch`). Returns the run and the
+    model with those weights, on the device."""
     plan = replace(plan, seed=seed)
     objective = resources.config.study.objective
     rule = "last" if refit else resources.config.study.objective_epoch
@@ -168,36 +168,27 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     model = adapters.build(ModelStore(), found.params.model_name, data.train.labels.shape[1],
                            found.training.model_copy(update={"seed": seed}), plan.precision)
     trained = prepare(model, plan, device)
-    kept: dict[str, Any] = {"epoch": 0, "score": None, "state": None}
-    names = resources.label_names
-
-    def evaluate(m: torch.nn.Module) -> float:
-        if refit:
-            return math.nan
-        probabilities = predict(m, data.validation, plan.eval_batch, device, plan.precision,
-                                data.pad_id)
-        grid = metrics.as_grid(probabilities > 0.5, len(names))
-        return metrics.f1_scores(grid, gold, names).get(objective)
+    scores: list[metrics.Scores] = []
+    # With --refit no validation split is left to score: the last epoch is kept unscored.
+    evaluate = ((lambda _model: math.nan) if refit
+                else scorer(resources, plan, data.validation, gold, data.pad_id, scores))
+    best = BestEpoch(model, rule, plan.epochs)
 
     def on_epoch(epoch: int, score: float) -> None:
         reporter.epoch(found.number, epoch, plan.epochs, score)
-        # The epoch the search's rule picks: the best (the earliest of equal bests) or last.
-        if rule == "last" or kept["score"] is None or score > kept["score"]:
-            kept.update(epoch=epoch, score=None if refit else score, state=None)
-            # The last epoch's weights are the model's own when training ends: no copy.
-            if rule == "best" and epoch < plan.epochs:
-                kept["state"] = {k: v.detach().to("cpu", copy=True)
-                                 for k, v in model.state_dict().items()}
+        best.after_epoch(epoch, [s.get(objective) for s in scores])
 
-    pos_weight = (balanced_pos_weight(data.train.labels)
-                  if found.training.pos_weight == "balanced" else None)
     reporter.trial_started(found.number, found.params, plan, 0)
     train(trained, data.train, plan, device, pad_id=data.pad_id, evaluate=evaluate,
           on_epoch=on_epoch, on_step=lambda p: reporter.step(found.number, p, plan.epochs),
-          pos_weight=pos_weight)
+          pos_weight=loss_pos_weight(found.training.pos_weight, data.train.labels))
     del trained
-    if kept["state"] is not None:
-        model.load_state_dict(kept["state"])
+    if refit:
+        kept_epoch, kept_score = plan.epochs, None
+    else:
+        values = [s.get(objective) for s in scores]
+        chosen = best.restore(values)
+        kept_epoch, kept_score = chosen + 1, values[chosen]
     # Adapters folded into the body, all in float32: the model as it is exported.
     model = adapters.merged(model)
     model.eval()
@@ -205,7 +196,7 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,
                                              "none", data.pad_id))
     test = predict(model, data.test, plan.eval_batch, device, "none", data.pad_id)
-    return Run(seed, plan.epochs, kept["epoch"], kept["score"], validation, test), model
+    return Run(seed, plan.epochs, kept_epoch, kept_score, validation, test), model
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,12 @@
 
 The parent claims the trial and keeps its heartbeat; the child opens its own storage
 connection, runs the trial exactly as a worker would in-process and tells the study. A child
-that dies without telling is told for by its parent: killed by SIGKILL, the kernel OOM
-killer's signal, the trial is pruned as out of memory and the micro-batch it was trying,
-which the child wrote into memory shared with its parent, lowers the study's batch limit;
-any other death (a segfault, an abort) fails the trial. A parent that dies takes its child
-with it (PR_SET_PDEATHSIG on Linux), so no orphan trains on.
+that dies without telling is told for by its parent, as `executor.outcome_of` judges a dead
+child: killed by SIGKILL, the kernel OOM killer's signal, the trial is pruned as out of
+memory and the micro-batch it was trying, which the child wrote into memory shared with its
+parent, lowers the study's batch limit; any other death (a segfault, an abort) fails it.
+A parent that dies takes its child with it (PR_SET_PDEATHSIG on Linux), so no orphan trains
+on.
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-from dataclasses import replace
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from hpo import artifacts, hardware, models
 from hpo.config import StudyConfig
-from hpo.executor import Outcome, Reaped, execute, write_kept
+from hpo.executor import execute, outcome_of, tell
 from hpo.hardware import Device
+from hpo.liveness import LiveTrial, heartbeat
+from hpo.outcome import ChildDied, Outcome, as_told
+from hpo.report import ConsoleReporter
+from hpo.resources import load_resources
 from hpo.space import PinnedSpace, suggest
-from hpo.storage import ResilientRDBStorage
-from hpo.study import StudyBatchCache, shared_batch_cache
+from hpo.storage import OUTAGE_SECONDS, ResilientRDBStorage, open_storage
+from hpo.study import make_pruner, shared_batch_cache
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,7 +49,8 @@ def in_child(
                "device": device, "url": url, "heartbeat_interval": storage.heartbeat_interval,
                "grace_period": storage.grace_period}
 
-    def run(study: optuna.Study, trial: optuna.Trial) -> tuple[Outcome, FrozenTrial]:
+    def run(study: optuna.Study, live: LiveTrial) -> tuple[Outcome, FrozenTrial]:
+        trial = live.trial
         # Sampled here, by the worker's long-lived sampler; the child reads them back.
         suggest(trial, pinned)
         attempt = _Attempt(context)
@@ -72,20 +78,10 @@ def in_child(
             return outcome, storage.get_trial(trial_id)
         frozen = storage.get_trial(trial._trial_id)
         if frozen.state != TrialState.RUNNING:
-            return _outcome(frozen), frozen
-        cache = shared_batch_cache(study, storage)
-        outcome = _death(child.exitcode, attempt, cache, trial)
-
-        def tell() -> FrozenTrial:
-            if outcome.prune_reason:
-                trial.set_user_attr("prune_reason", outcome.prune_reason)
-            trial.set_user_attr("error", outcome.error)
-            return study.tell(trial, state=outcome.state)
-
-        try:
-            return outcome, write_kept(trial, tell, cache.lock)
-        except Reaped as exc:
-            return replace(outcome, dropped=str(exc)), storage.get_trial(trial._trial_id)
+            return as_told(frozen), frozen
+        tried = attempt.read()
+        outcome = outcome_of(trial.number, ChildDied(child.exitcode, tried))
+        return tell(study, live, outcome, shared_batch_cache(study, storage), tried=tried)
 
     return run
 
@@ -108,36 +104,6 @@ class _Attempt:
         return (self._key.value.decode(errors="ignore"), batch) if batch else None
 
 
-def _death(exitcode: int | None, attempt: _Attempt, cache: StudyBatchCache,
-           trial: optuna.Trial) -> Outcome:
-    """The outcome of a trial whose child died before telling the study."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            how = f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:  # a real-time signal has no name
-            how = f"killed by signal {-exitcode}"
-    else:
-        how = f"exited with code {exitcode}"
-    if exitcode != -signal.SIGKILL:
-        return Outcome(TrialState.FAIL, error=f"trial process {how}")
-    tried = attempt.read()
-    if tried is None:
-        return Outcome(TrialState.PRUNED, prune_reason="oom",
-                       error=f"trial process {how} (as the OOM killer does) before it tried "
-                             f"a batch")
-    key, batch = tried
-    lowered = cache.lower(key, batch)
-    trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
-    return Outcome(TrialState.PRUNED, prune_reason="oom",
-                   error=f"trial process {how} (as the OOM killer does) at micro-batch {batch}")
-
-
-def _outcome(frozen: FrozenTrial) -> Outcome:
-    attrs = frozen.user_attrs
-    return Outcome(frozen.state, value=frozen.value, prune_reason=attrs.get("prune_reason"),
-                   error=attrs.get("error"))
-
-
 def _die_with_parent(parent: int) -> None:
     try:
         ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -150,13 +116,6 @@ def _die_with_parent(parent: int) -> None:
 def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _Attempt,
                 sender: multiprocessing.connection.Connection) -> None:
     _die_with_parent(parent)
-    from hpo import artifacts, hardware, models
-    from hpo.report import ConsoleReporter
-    from hpo.resources import load_resources
-    from hpo.storage import OUTAGE_SECONDS, open_storage
-    from hpo.study import make_pruner
-    from hpo.worker import heartbeat
-
     models.quiet_transformers()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = StudyConfig.model_validate(payload["config"])
@@ -171,8 +130,8 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
     if not config.data.cv_folds:
         resources.keeper = artifacts.keeper_for(config, payload["url"])
-    trial = optuna.trial.Trial(study, trial_id)
-    with heartbeat(storage, trial):
-        outcome, told = execute(study, trial, resources, ConsoleReporter(),
+    live = LiveTrial(optuna.trial.Trial(study, trial_id))
+    with heartbeat(storage, live):
+        outcome, told = execute(study, live, resources, ConsoleReporter(),
                                 shared_batch_cache(study, storage), attempt)
     sender.send((outcome, told._trial_id))

@@ -10,7 +10,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hpo.executor import Outcome
+from hpo.outcome import Outcome
 from hpo.space import Params
 from hpo.train import Plan
 from hpo.train import Progress as TrainProgress

@@ -9,7 +9,7 @@ from typing import Any
 
 import optuna
 
-from hpo.config import ADAPTER_KEYS, FloatRange, IntRange, SearchSpace
+from hpo.config import ADAPTER_KEYS, FloatRange, IntRange, SearchSpace, StudyConfig
 from hpo.errors import SpaceError
 from hpo.hardware import Device, native_precisions
 
@@ -70,6 +70,16 @@ def declare(space: SearchSpace, device: Device | None) -> PinnedSpace:
         explicit = space.fp_precision != "auto"
         return PinnedSpace(declared, tuple(space.fp_precision) if explicit else None)
     return PinnedSpace(declared, resolve_precisions(space.fp_precision, device))
+
+
+def check_device(config: StudyConfig, device: Device) -> PinnedSpace:
+    """The study file against a device that runs its trials: every precision it searches,
+    and a bf16 body (`training.base_dtype`), must run natively there."""
+    pinned = declare(config.search_space, device)
+    if config.training.base_dtype == "bfloat16" and not device.native_bf16:
+        raise SpaceError(f"training.base_dtype bfloat16: {device.describe()} runs bf16 only "
+                         f"by emulation; use float32")
+    return pinned
 
 
 def pin(study: optuna.Study, space: SearchSpace, device: Device | None) -> PinnedSpace:

@@ -180,41 +180,6 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
     return pinned
 
 
-def carry_over(study: optuna.Study, trial: optuna.Trial,
-               lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
-               ) -> int | None:
-    """For a trial that was reaped while it ran (its heartbeats lost, another worker took it
-    for dead): claim the waiting copy the reaper queued, if no worker has claimed it yet,
-    carry over what the trial recorded and point `trial` at the copy, so the run goes on and
-    its result is kept. Returns the reaped trial's number, or None when there is no copy to
-    claim: the result then has nowhere to go. Under the study `lock`, which reapers hold from
-    failing a trial to queueing its copy and claimers hold while they claim."""
-    number = trial.number
-    storage = trial.storage
-    with lock():
-        copies = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-                  if t.system_attrs.get("retry_history", [None])[-1] == number]
-        claimed = None
-        for copy in copies:
-            try:
-                if storage.set_trial_state_values(copy._trial_id, state=TrialState.RUNNING):
-                    claimed = copy
-                    break
-            except optuna.exceptions.UpdateFinishedTrialError:
-                continue  # claimed and finished by another worker meanwhile
-    if claimed is None:
-        return None
-    reaped = storage.get_trial(trial._trial_id)
-    for step, value in reaped.intermediate_values.items():
-        storage.set_trial_intermediate_value(claimed._trial_id, step, value)
-    for key, value in {**reaped.user_attrs, "result_of": number}.items():
-        storage.set_trial_user_attr(claimed._trial_id, key, value)
-    # The same object, now standing for the copy: the training loop, its callbacks and the
-    # heartbeat all hold it. Trial's public constructor, re-run in place.
-    optuna.trial.Trial.__init__(trial, study, claimed._trial_id)
-    return number
-
-
 def finished_count(study: optuna.Study) -> int:
     return budget.count(study).finished
 

@@ -1,16 +1,19 @@
-"""What a study holds, for `hpo status`, `hpo best` and `hpo studies`: plain data that the CLI
-prints as a table, YAML or JSON."""
+"""What a study holds, for `hpo status`, `hpo best` and `hpo studies`: plain data, and its
+rendering as a table, YAML or JSON."""
 
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any
 
 import optuna
+import yaml
 from optuna.trial import TrialState
 
 from hpo.artifacts import kept
 from hpo.budget import count
+from hpo.storage import redact
 
 # What a final training run needs besides the sampled parameters.
 RUNTIME_ATTRS = (
@@ -119,3 +122,66 @@ def studies(storage: optuna.storages.BaseStorage) -> list[dict[str, Any]]:
             if frozen.datetime_start else None,
         })
     return rows
+
+
+def dump(data: Any, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(data, indent=2, default=str)
+    return yaml.safe_dump(data, sort_keys=False).rstrip()
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def render_status(info: dict[str, Any], fmt: str) -> str:
+    """`hpo status`: counts, the best trial, compute spent, the running trials."""
+    if fmt != "text":
+        return dump(info, fmt)
+    counts = ", ".join(f"{n} {state}" for state, n in info["counts"].items())
+    lines = [f"study '{info['study']}': {counts}"]
+    best = info["best"]
+    if best:
+        lines.append(f"best: trial {best['trial']}, {best['objective']} {best['value']:.4f}")
+        lines += ["  " + line for line in _columns(
+            [[name, _number(value)] for name, value in best["params"].items()])]
+    spent = info["compute"]
+    if spent["by_model_precision"]:
+        lines.append(f"compute: {spent['device_seconds']:.0f} device-seconds, "
+                     f"{100 * spent['pruned_share']:.0f}% on pruned and "
+                     f"{100 * spent['failed_share']:.0f}% on failed trials")
+        rows = [["model", "precision", "trials", "device-s", "pruned-s", "failed-s"]]
+        rows += [[r["model_name"], r["fp_precision"], str(r["trials"]),
+                  f"{r['device_seconds']:.0f}", f"{r['pruned_seconds']:.0f}",
+                  f"{r['failed_seconds']:.0f}"] for r in spent["by_model_precision"]]
+        lines += ["  " + line for line in _columns(rows)]
+    if info["running"]:
+        names = sorted({name for trial in info["running"] for name in trial["params"]})
+        rows = [["running", "worker", "for", *names]]
+        rows += [[f"trial {t['trial']}", t["worker"], f"{t['age_seconds']} s",
+                  *(_number(t["params"].get(name, "-")) for name in names)]
+                 for t in info["running"]]
+        lines += _columns(rows)
+    return "\n".join(lines)
+
+
+def render_studies(rows: list[dict[str, Any]], url: str, fmt: str) -> str:
+    """`hpo studies`: one line per study in the storage at `url`."""
+    if fmt != "text":
+        return dump(rows, fmt)
+    if not rows:
+        return f"no studies in {redact(url)}"
+    lines = []
+    for row in rows:
+        best = f"{row['best_value']:.4f}" if row["best_value"] is not None else "-"
+        lines.append(f"{row['study']}\t{row['trials']} trials\tbest {best}\t"
+                     f"started {row['started']}")
+    return "\n".join(lines)

@@ -176,6 +176,11 @@ def balanced_pos_weight(labels: torch.Tensor) -> torch.Tensor:
     return torch.where((positives > 0) & (negatives > 0), weight, torch.ones_like(weight))
 
 
+def loss_pos_weight(setting: str, labels: torch.Tensor) -> torch.Tensor | None:
+    """The loss's per-label positive weight for `training.pos_weight`: balanced, or none."""
+    return balanced_pos_weight(labels) if setting == "balanced" else None
+
+
 def micro_batch_loss(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],

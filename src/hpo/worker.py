@@ -1,17 +1,15 @@
 """A worker: its set-up (device settings, the study joined, data and models loaded, the
 trivial baseline recorded) and its loop, which claims trials under the exact study-wide budget,
-keeps each running trial's heartbeat and reaps trials whose worker went silent."""
+keeps each running trial's heartbeat (`liveness`) and reaps trials whose worker went silent.
+How a trial ended is the executor's to say; the loop only counts failures in a row."""
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import functools
 import math
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,12 +20,14 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import artifacts, budget, check, faults, hardware, isolation
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
-from hpo.errors import Terminated, one_line
-from hpo.executor import Outcome, execute
+from hpo.errors import WorkerStopped
+from hpo.executor import execute, free, give_back
 from hpo.hardware import Device
+from hpo.liveness import LiveTrial, heartbeat, reap
+from hpo.outcome import GivenBack, Outcome
 from hpo.report import ConsoleReporter
 from hpo.resources import Resources, load_resources
-from hpo.storage import ResilientRDBStorage, redact, single_attempt
+from hpo.storage import ResilientRDBStorage, redact
 from hpo.study import finished_count, join, make_sampler, shared_batch_cache
 
 BASELINE = "every symptom predicted for every post"
@@ -36,10 +36,6 @@ BASELINE = "every symptom predicted for every post"
 MIN_VALIDATION_POSTS = 50
 # How often a worker that waits for the study's last trials looks again.
 POLL_SECONDS = 2.0
-
-
-class WorkerStopped(RuntimeError):
-    """The worker gave up: too many trials in a row failed."""
 
 
 def small_data_warning(splits: Splits) -> str | None:
@@ -156,82 +152,19 @@ def work(
         reporter.warning(below)
 
 
-@contextlib.contextmanager
-def heartbeat(storage: ResilientRDBStorage, trial: optuna.Trial) -> Iterator[None]:
-    """Record the trial's heartbeat every interval while it runs, from a background thread,
-    so a long training step cannot make a live trial look dead. It beats for whatever trial
-    the object stands for: a trial carried over to its retry copy (`study.carry_over`) moves
-    its heartbeat along."""
-    interval = storage.get_heartbeat_interval()
-    if not interval:
-        yield
-        return
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(interval):
-            # One try per interval, no backoff: once an outage ends the trial beats again
-            # within an interval, well inside the grace period reapers then wait.
-            with contextlib.suppress(Exception), single_attempt():
-                storage.record_heartbeat(trial._trial_id)
-
-    storage.record_heartbeat(trial._trial_id)
-    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
-    """Fail trials whose worker stopped beating, or never beat; the retry callback re-queues
-    them. Under the study lock: two reapers that both saw a stale trial would otherwise each
-    queue a copy of it (SQLite has no row lock; a retried write cannot tell whose it was),
-    and a second waiting copy overshoots the budget."""
-    with budget.study_lock(storage.engine, study.study_name):
-        # Taking the lock may have waited out an outage: judge only with contact unbroken.
-        if storage.trusts_heartbeats():
-            _reap(study, storage, study_id)
-
-
-def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
-    with warnings.catch_warnings():
-        # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
-    if not storage.get_heartbeat_interval():
-        return
-    # A worker killed between claiming a trial and its first heartbeat (OOM killer, eviction)
-    # leaves a RUNNING trial that Optuna's reaper never sees: reap it by its start time.
-    started_before = datetime.datetime.now() - datetime.timedelta(seconds=storage.grace_period)
-    with storage.engine.connect() as connection:
-        unbeaten = budget.unbeaten_trial_ids(connection, study_id, started_before)
-    retry = storage.get_heartbeat_stale_trial_callback()
-    for trial_id in unbeaten:
-        try:
-            if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
-                continue
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue  # it finished, or another worker reaped it first
-        if retry is not None:
-            retry(study, storage.get_trial(trial_id))
-
-
 @dataclass(frozen=True)
 class WorkerResult:
     ran: int  # trials this worker ran
     finished: int  # finished trials in the study when it stopped
 
 
-TrialRunner = Callable[[optuna.Study, optuna.Trial], tuple[Outcome, FrozenTrial]]
+TrialRunner = Callable[[optuna.Study, LiveTrial], tuple[Outcome, FrozenTrial]]
 
 
 def in_process(resources: Resources, reporter: ConsoleReporter,
                storage: ResilientRDBStorage) -> TrialRunner:
-    return lambda study, trial: execute(study, trial, resources, reporter,
-                                        shared_batch_cache(study, storage))
+    return lambda study, live: execute(study, live, resources, reporter,
+                                       shared_batch_cache(study, storage))
 
 
 def _ask(study: optuna.Study) -> optuna.Trial:
@@ -241,37 +174,12 @@ def _ask(study: optuna.Study) -> optuna.Trial:
         return study.ask()
 
 
-def free(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
-         stop: KeyboardInterrupt) -> str:
-    """End an interrupted trial at once, as FAIL with the reason, and re-queue it as a
-    waiting trial for the next worker, as the reaper would a dead worker's (the same
-    `max_retry` bounds both), instead of leaving it RUNNING for a grace period."""
-    why = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
-    number = trial.number
-    try:
-        # Read before the reason is set: the copy must not inherit it.
-        before = storage.get_trial(trial._trial_id)
-        if before.state.is_finished():
-            return f"trial {number} had finished ({before.state.name}) before the interrupt"
-        trial.set_user_attr("error", f"interrupted by {why}")
-        study.tell(trial, state=TrialState.FAIL)
-        retry = storage.get_heartbeat_stale_trial_callback()
-        if retry is not None:
-            retry(study, before)
-        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-    except Exception as exc:
-        return (f"trial {number} could not be freed ({one_line(exc)}); another worker fails "
-                f"and re-queues it after the grace period")
-    if any(number in t.system_attrs.get("retry_history", ()) for t in waiting):
-        return f"trial {number} failed (interrupted by {why}) and re-queued for the next worker"
-    return f"trial {number} failed (interrupted by {why}); its retries are used up"
-
-
 def _run_claimed(
-    study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
+    study: optuna.Study, storage: ResilientRDBStorage, live: LiveTrial,
     run_trial: TrialRunner, waiting: int,
     sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None,
 ) -> tuple[Outcome, FrozenTrial]:
+    trial = live.trial
     if sampler_for is not None:
         # Optuna samples when a parameter is first suggested, after ask().
         study.sampler = sampler_for(trial.number)
@@ -282,8 +190,8 @@ def _run_claimed(
         if retried is not None:
             trial.set_user_attr("retry_of", retried)
     faults.kill_at("heartbeat")
-    with heartbeat(storage, trial):
-        return run_trial(study, trial)
+    with heartbeat(storage, live):
+        return run_trial(study, live)
 
 
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: int,
@@ -294,9 +202,9 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: i
         counts = budget.count_in_database(connection, study_id)
         if counts.claimed <= n_trials:
             return True
-        trial.set_user_attr("error", "claimed while the study lock was lost with its database "
-                                     "connection; given back to keep the budget exact")
-        study.tell(trial, state=TrialState.FAIL)
+        give_back(study, trial, GivenBack("claimed while the study lock was lost with its "
+                                          "database connection; given back to keep the "
+                                          "budget exact"))
     reporter.message(f"trial {trial.number} given back: the study lock was lost while it was "
                      f"claimed and the budget would overshoot")
     return False
@@ -356,12 +264,14 @@ def run_worker(
             time.sleep(poll_seconds)
             continue
         waiting_said = False
+        live = LiveTrial(trial)
         try:
-            outcome, finished = _run_claimed(study, storage, trial, run_trial, counts.waiting,
+            outcome, finished = _run_claimed(study, storage, live, run_trial, counts.waiting,
                                              sampler_for)
         except KeyboardInterrupt as stop:
             # From the claim on: a trial left RUNNING would hold a budget slot until reaped.
-            reporter.interrupted(free(study, storage, trial, stop))
+            # `live.trial`: a run carried over to its retry copy frees the copy.
+            reporter.interrupted(free(study, live.trial, stop))
             raise
         ran += 1
         reporter.trial_finished(finished, outcome)

@@ -34,6 +34,14 @@ def fingerprint(splits: Splits) -> dict[str, dict[str, int | str]]:
     }
 
 
+def check_folds(splits: Splits, k: int | None) -> None:
+    """`data.cv_folds` folds need at least one training or validation post each."""
+    pooled = len(splits.train) + len(splits.validation)
+    if k and pooled < k:
+        raise DataError(f"data.cv_folds {k}: only {pooled} training and validation posts, "
+                        f"fewer than one per fold")
+
+
 def split_posts(posts: Sequence[Post], *, validation: float, test: float, seed: int) -> Splits:
     """Split posts into disjoint train / validation / test sets, each sorted by post_id.
 

@@ -1,0 +1,217 @@
+"""The `hpo` commands as plain functions: each checks its input (`preflight`), does its one
+job through the modules that hold it, and prints what a user reads. The CLI turns arguments
+into these calls and their errors into exit codes.
+
+Heavy modules (torch, transformers, optuna) are imported inside the commands, after the
+preflight checks, so a typo is reported without waiting for them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpo.errors import ConfigError
+from hpo.preflight import (
+    Prepared,
+    StudyRef,
+    artifact_location,
+    load_study,
+    open_for_reading,
+    prepare,
+)
+
+if TYPE_CHECKING:
+    import optuna
+
+    from hpo.space import PinnedSpace
+
+
+def create(ref: StudyRef, *, skip_check: bool) -> None:
+    prepared = prepare(ref, runs_trials=False)
+
+    from hpo import study
+    from hpo.storage import redact
+
+    # "Once, anywhere": this host may have no GPU, so `auto` is left to the first worker.
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, None,
+                                     prepared.splits)
+    print(f"study '{optuna_study.study_name}' ready on {redact(prepared.url)}; pinned "
+          f"fp_precision {pinned.describe_precisions()}; "
+          f"{study.finished_count(optuna_study)} finished trials")
+    if not skip_check:
+        _check(prepared, optuna_study, pinned, fresh=False)
+
+
+def check(ref: StudyRef) -> None:
+    prepared = prepare(ref)
+
+    from hpo import study
+
+    # Like create, this may run on a host other than the fleet's: `auto` stays open.
+    optuna_study, pinned = study.join(prepared.config, prepared.storage, None,
+                                     prepared.splits)
+    _check(prepared, optuna_study, pinned, fresh=True)
+
+
+def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, *,
+           fresh: bool) -> None:
+    """The study's check on this host's device, for the pinned precisions it runs natively;
+    `fresh` runs it even if a worker on this kind of device already has."""
+    from hpo import check as check_module
+    from hpo.hardware import native_precisions
+    from hpo.report import ConsoleReporter
+    from hpo.resources import load_resources
+    from hpo.space import PinnedSpace
+
+    device = prepared.device
+    native = native_precisions(device)
+    precisions = tuple(p for p in (pinned.fp_precision or native) if p in native)
+    if not precisions:
+        print(f"no pinned precision runs natively on {device.describe()}: nothing to check "
+              f"here")
+        return
+    here = PinnedSpace(pinned.declared, precisions)
+    resources = load_resources(prepared.config, here, device, prepared.splits)
+    if fresh:
+        optuna_study.set_user_attr(check_module.key(device), None)
+    verdicts = check_module.ensure(optuna_study, resources, precisions, ConsoleReporter())
+    usable = sum(v.usable for v in verdicts)
+    print(f"{usable} of {len(verdicts)} model x precision combinations usable on "
+          f"{device.describe()}; the study keeps the verdicts for this kind of device")
+
+
+def run(ref: StudyRef, *, n_trials: int | None, timeout: float | None,
+        skip_check: bool) -> None:
+    """A worker until the study has `n_trials` finished trials or `timeout` passes; raises
+    worker.WorkerStopped after too many failures in a row."""
+    prepared = prepare(ref)
+
+    from hpo import worker
+
+    worker.work(
+        prepared.config, prepared.splits, prepared.device, prepared.url, prepared.storage,
+        n_trials=n_trials if n_trials is not None else math.inf,
+        timeout=timeout, run_check=not skip_check,
+    )
+
+
+def status(ref: StudyRef, fmt: str) -> None:
+    from hpo import summary
+
+    print(summary.render_status(summary.status(load_study(ref)), fmt))
+
+
+def best(ref: StudyRef, fmt: str) -> None:
+    from hpo import summary
+
+    info = summary.best(load_study(ref))
+    if info is None:
+        raise ConfigError(f"study '{ref.study or ref.config}' has no completed trial yet")
+    print(summary.dump(info, "yaml" if fmt == "text" else fmt))
+
+
+def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: bool,
+          output: Path | None) -> None:
+    """Train the chosen trial again per seed, score it on the test split, export the model."""
+    # The trial's precision is what must be native here (final.check_precision), not all
+    # of the study file's.
+    prepared = prepare(ref, runs_trials=False)
+
+    from hpo import export
+    from hpo import final as final_module
+    from hpo.report import ConsoleReporter
+    from hpo.resources import load_resources
+    from hpo.space import PinnedSpace, declare
+    from hpo.study import check_splits, shared_batch_cache
+
+    config = prepared.config
+    if not prepared.splits.test:
+        raise ConfigError(f"data.test_fraction is {config.data.test_fraction:g}: there is no "
+                          f"held-out test split to score the final model on")
+    optuna_study = load_study(ref, prepared.storage, prepared.url)
+    reporter = ConsoleReporter()
+    if not check_splits(optuna_study, prepared.splits):
+        reporter.warning(f"study '{optuna_study.study_name}' recorded no data split (its "
+                         f"workers predate that): the test split is taken to be the one its "
+                         f"search held out")
+    output = output or Path("final") / optuna_study.study_name
+    export.check_output(output)
+    pinned = PinnedSpace(declare(config.search_space, None).declared, None)
+    resources = load_resources(config, pinned, prepared.device, prepared.splits)
+    options = final_module.Options(number=trial, seeds=seeds, refit=refit, tuned=tuned)
+    report, model = final_module.final(optuna_study, resources, prepared.splits, options,
+                                       reporter,
+                                       shared_batch_cache(optuna_study, prepared.storage))
+    export.write(output, model, report, resources.label_names)
+    print(final_module.render(report))
+    print(f"model, report.json and model card written to {output}")
+
+
+def studies(ref: StudyRef, fmt: str) -> None:
+    from hpo import summary
+
+    opened, url = open_for_reading(ref)
+    print(summary.render_studies(summary.studies(opened), url, fmt))
+
+
+def delete(ref: StudyRef, confirm: Callable[[str], bool]) -> bool:
+    """Delete the study, its trials and its kept models, once `confirm` agrees to the
+    question it is asked; returns whether it did."""
+    import optuna
+
+    from hpo import artifacts
+    from hpo.storage import redact
+
+    opened, url = open_for_reading(ref)
+    study = load_study(ref, opened, url)
+    name = study.study_name
+    what = f"study '{name}' with {len(study.get_trials(deepcopy=False))} trials in {redact(url)}"
+    if not confirm(f"delete {what}? [y/N] "):
+        print(f"hpo: {what} kept")
+        return False
+    where = artifact_location(ref, url)
+    store = artifacts.open_existing(where)
+    removed = 0 if store is None else artifacts.remove_all(study, opened, store)
+    optuna.delete_study(study_name=name, storage=opened)
+    print(f"deleted {what}" + (f" and its {removed} kept model(s) in {where}" if removed else ""))
+    return True
+
+
+def dashboard(ref: StudyRef, *, host: str, port: int, artifacts_at: str | None,
+              allow_writes: bool) -> None:
+    import optuna_dashboard
+
+    from hpo import artifacts
+    from hpo.dashboard import DashboardArtifactStore, ReadOnlyStorage
+    from hpo.storage import ResilientRDBStorage, redact
+
+    kind = ResilientRDBStorage if allow_writes else ReadOnlyStorage
+    opened, url = open_for_reading(ref, storage_class=kind)
+    may = "read and edit" if allow_writes else "read"
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"hpo: warning: optuna-dashboard has no authentication and binds {host}; "
+              f"anyone who can reach port {port} can {may} the studies", file=sys.stderr)
+    mode = "edits allowed" if allow_writes else "read-only; --allow-writes to edit"
+    print(f"optuna-dashboard for {redact(url)} on http://{host}:{port}/dashboard "
+          f"({mode}; Ctrl-C stops it)", flush=True)
+    where = artifacts_at or artifact_location(ref, url)
+    if artifacts_at and not artifacts_at.startswith("s3://") and not Path(
+            artifacts_at).is_dir():
+        raise ConfigError(f"--artifacts {artifacts_at}: no such directory")
+    store = artifacts.open_existing(where, writable=False)
+    if store is not None:
+        store = DashboardArtifactStore(store, writable=allow_writes)
+        print(f"kept models from the artifact store {where}", flush=True)
+    optuna_dashboard.run_server(opened, host=host, port=port, artifact_store=store)
+
+
+def hardware(device_name: str, steps: int) -> None:
+    from hpo import hardware as hardware_module
+    from hpo import hardware_check
+
+    device = hardware_module.detect(device_name)
+    print(hardware_check.render(hardware_check.inspect(device, steps=steps)))

@@ -1,0 +1,139 @@
+"""A trial before training: its parameters sampled, the physical batch that fits the device
+(the study's cached limit, or a binary search where it has none) and the plan derived from
+them: accumulation steps, evaluation batch, precision."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import optuna
+import torch
+
+from hpo import adapters, check, memory
+from hpo.config import TrainingConfig
+from hpo.data.batching import Encoded
+from hpo.hardware import Device
+from hpo.resources import Resources
+from hpo.space import Params, suggest
+from hpo.study import StudyBatchCache
+from hpo.train import Plan, prepare, probe_step
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """A trial before training: its parameters, their training settings, the runtime plan
+    and the data it trains on."""
+
+    params: Params
+    training: TrainingConfig
+    plan: Plan
+    batch_key: str  # the batch-size cache entry the physical batch came from
+    probes: int
+    train_data: Encoded
+    validation_data: Encoded
+    pad_id: int
+
+
+# Called with the batch cache key and the micro-batch before each step that may run out of
+# memory (each probe, then training): a process killed by the OOM killer cannot say it itself.
+Watch = Callable[[str, int], None]
+
+
+def unwatched(_key: str, _batch: int) -> None:
+    return None
+
+
+def cache_key(params: Params, training: TrainingConfig, max_length: int, device: Device) -> str:
+    return (f"{params.model_name}|{params.fp_precision}|{max_length}|{device.cache_key}"
+            f"{adapters.cache_suffix(training, params.fp_precision)}")
+
+
+def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache,
+               watch: Watch = unwatched) -> TrialPlan:
+    """Sample the parameters, refuse a combination the study's check found unusable, find
+    the physical batch that fits and derive the plan. Where the tokens came from is recorded
+    on the trial as soon as it is known."""
+    config, device = resources.config, resources.device
+    params = suggest(trial, resources.pinned)
+    training = config.training.model_copy(update=params.extras)
+    why = check.unusable(trial.study, device, params.model_name, params.fp_precision,
+                         training.peft)
+    if why is not None:
+        adapter = "" if training.peft == "none" else f" {training.peft}"
+        raise check.Unusable(f"{params.model_name} {params.fp_precision}{adapter}: {why} "
+                             f"(hpo check)")
+    began = time.perf_counter()
+    train_data, validation_data, source = resources.encoded(params.model_name)
+    trial.set_user_attr("tokenization", source)
+    trial.set_user_attr("tokenization_seconds", round(time.perf_counter() - began, 3))
+    tokenizer = resources.models.tokenizer(params.model_name)
+    plan, key, probes = fit_batch(base_plan(params, training), params, training,
+                                  train_data.labels.shape[1], resources, cache, watch)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return TrialPlan(params, training, plan, key, probes, train_data, validation_data, pad_id)
+
+
+def base_plan(params: Params, training: TrainingConfig) -> Plan:
+    """The plan of a configuration, its batches not yet fitted to the device."""
+    return Plan(
+        precision=params.fp_precision,
+        effective_batch=params.target_effective_batch_size,
+        physical_batch=1,
+        eval_batch=1,
+        learning_rate=params.learning_rate,
+        weight_decay=training.weight_decay,
+        warmup_ratio=training.warmup_ratio,
+        max_grad_norm=training.max_grad_norm,
+        epochs=training.epochs,
+        seed=training.seed,
+        gradient_checkpointing=training.gradient_checkpointing,
+        compile=training.compile,
+    )
+
+
+def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: int,
+              resources: Resources, cache: StudyBatchCache, watch: Watch = unwatched,
+              ) -> tuple[Plan, str, int]:
+    """`base` with the physical and evaluation batches that fit this device: the study's
+    cached limit for the model and precision, searched (probes > 0) where there is none.
+    Returns the plan, the cache key and the number of probes."""
+    config, device = resources.config, resources.device
+    tokenizer = resources.models.tokenizer(params.model_name)
+    key = cache_key(params, training, config.data.max_length, device)
+    bound = min(params.target_effective_batch_size, training.max_physical_batch_size)
+    build = functools.partial(adapters.build, resources.models, params.model_name, num_labels,
+                              training, params.fp_precision)
+    probe_length = min(config.data.max_length, tokenizer.model_max_length)
+    limit, probes = _find_batch(build, base, device, key, bound, cache, probe_length, watch)
+    physical = memory.physical_batch(limit, bound, training.safety_margin)
+    plan = replace(
+        base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
+    )
+    return plan, key, probes
+
+
+def _find_batch(
+    build: Callable[[], torch.nn.Module], plan: Plan, device: Device, key: str, bound: int,
+    cache: StudyBatchCache, length: int, watch: Watch,
+) -> tuple[memory.BatchLimit, int]:
+    known = cache.get(key)
+    holder: dict[str, torch.nn.Module] = {}
+
+    def step(batch: int) -> None:
+        watch(key, batch)
+        if "model" not in holder:
+            holder["model"] = prepare(build(), plan, device)
+        model = holder["model"]
+        model.zero_grad(set_to_none=True)
+        probe_step(model, plan, device, batch, length, model.config.vocab_size)
+
+    result = memory.search(step, bound, known, memory.device_memory_probe(device))
+    holder.clear()
+    memory.release_memory()
+    limit = cache.update(key, result.limit) if result.probes else result.limit
+    if limit.largest_ok == 0:
+        raise torch.OutOfMemoryError(f"out of memory even at micro-batch 1 ({key})")
+    return limit, result.probes

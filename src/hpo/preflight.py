@@ -1,0 +1,137 @@
+"""Everything a command checks before it spends compute: the study file, the fault variables,
+the data, the models, the device's precisions, then the storage; and the storage and study of
+an existing search, for the commands that only read one.
+
+What needs no torch is checked before torch is loaded, so those mistakes are reported at
+once: the heavy modules are imported inside the functions, after the light checks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpo import config as config_module
+from hpo.config import StudyConfig
+from hpo.errors import ConfigError
+
+if TYPE_CHECKING:  # the real imports load torch
+    import optuna
+
+    from hpo.data.splits import Splits
+    from hpo.hardware import Device
+    from hpo.storage import ResilientRDBStorage
+
+
+@dataclass(frozen=True)
+class StudyRef:
+    """The study and storage a command names: `--study` or `--config`, `--storage`, `--set`."""
+
+    study: str | None = None
+    config: Path | None = None
+    storage: str | None = None
+    overrides: tuple[str, ...] = ()
+
+    def path(self) -> Path | None:
+        """The study file, if one can be found."""
+        return self.config or (config_module.find_study(self.study) if self.study else None)
+
+
+def load_config(ref: StudyRef) -> StudyConfig:
+    path = ref.config or config_module.study_path(ref.study)
+    overrides = config_module.environment_overrides() + list(ref.overrides)
+    return config_module.load(path, overrides, name=ref.study)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated study: config, data splits, device, and the storage it lives in."""
+
+    config: StudyConfig
+    splits: Splits
+    device: Device
+    url: str
+    storage: ResilientRDBStorage
+
+
+def prepare(ref: StudyRef, *, runs_trials: bool = True) -> Prepared:
+    """The study file, data, models and device checked, then the storage opened. On a host
+    that runs trials every precision the study searches must be native to the device."""
+    from hpo import faults
+    from hpo.data.redsm5 import read_redsm5
+    from hpo.data.splits import check_folds, split_posts
+
+    config = load_config(ref)
+    faults.check_environment()
+    data = config.data
+    posts = read_redsm5(data.dir, special_case=data.special_case)
+    splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
+                         seed=data.split_seed)
+    check_folds(splits, data.cv_folds)
+
+    import optuna
+
+    from hpo import hardware, models, space, storage
+
+    models.quiet_transformers()
+    models.check_loadable(config.search_space.model_name, data.max_length)
+    device = hardware.detect(config.training.device)
+    if runs_trials:
+        space.check_device(config, device)  # refuses emulated precisions before I/O
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage.storage_url(ref.storage, config.study.storage)
+    opened = storage.open_storage(
+        url, heartbeat_interval=config.study.heartbeat_interval,
+        grace_period=config.study.grace_period, max_retry=config.study.max_retry,
+    )
+    return Prepared(config, splits, device, url, opened)
+
+
+def _file_setting(ref: StudyRef, read: Any) -> Any:
+    """A setting of the study file, if the command names one that exists."""
+    path = ref.path()
+    if path is None or not path.is_file():
+        return None
+    return read(config_module.load(path, name=ref.study).study)
+
+
+def open_for_reading(ref: StudyRef, **options: Any) -> tuple[ResilientRDBStorage, str]:
+    """The storage of an existing search: --storage, HPO_STORAGE, the study file, hpo.db;
+    a SQLite file that does not exist is refused rather than created empty."""
+    import optuna
+
+    from hpo import storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = storage.storage_url(ref.storage, _file_setting(ref, lambda s: s.storage))
+    missing = storage.missing_sqlite_file(url)
+    if missing is not None:
+        raise ConfigError(f"no storage at {missing}: nothing has run there yet (`hpo run` "
+                          f"creates it; --storage or HPO_STORAGE names another)")
+    return storage.open_storage(url, **options), url
+
+
+def load_study(ref: StudyRef, opened: ResilientRDBStorage | None = None,
+               url: str | None = None) -> optuna.Study:
+    import optuna
+
+    from hpo.storage import redact
+
+    if opened is None:
+        opened, url = open_for_reading(ref)
+    name = ref.study or config_module.load(ref.config).study.name
+    try:
+        return optuna.load_study(study_name=name, storage=opened)
+    except KeyError:
+        raise ConfigError(f"no study '{name}' in {redact(url or '')}") from None
+
+
+def artifact_location(ref: StudyRef, url: str) -> str | None:
+    """The artifact store of the study's kept models: HPO_ARTIFACTS, the study file's
+    study.artifacts, else beside a SQLite storage file."""
+    from hpo import artifacts
+
+    configured = os.environ.get("HPO_ARTIFACTS") or _file_setting(ref, lambda s: s.artifacts)
+    return artifacts.location(configured, url)
