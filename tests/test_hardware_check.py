@@ -25,7 +25,8 @@ def test_verdicts_for_mocked_devices(device, support, searched):
     assert report.support == support
     assert report.searched == searched
     text = hardware_check.render(report)
-    assert f"fp_precision: auto searches {', '.join(searched)}" in text
+    assert f"fp_precision: native searches {', '.join(searched)}" in text
+    assert "fp_precision: auto (the default) searches those of them" in text
 
 
 def test_t4_explains_why_bf16_is_left_out():
@@ -38,7 +39,8 @@ def test_real_cpu_run(capsys):
     assert main(["hardware", "--device", "cpu", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("device: cpu")
-    for line in ("fp32:", "bf16:", "fp16:", "ms/step", "x fp32", "fp_precision: auto searches"):
+    for line in ("fp32:", "bf16:", "fp16:", "ms/step", "x fp32", "fp_precision: native searches",
+                 "; for the small BERT above: "):
         assert line in out
     assert "fp16: emulated" in out or "fp16: native" in out
     # The worker's bounds, unless the environment set its own before (a user's value wins).

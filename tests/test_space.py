@@ -3,7 +3,7 @@ import pytest
 from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
 
 from hpo.config import SearchSpace
-from hpo.space import PIN_ATTR, SpaceError, pin, resolve_precisions, suggest
+from hpo.space import PIN_ATTR, SpaceError, by_cost, pin, resolve_precisions, suggest
 
 
 def space(**changes) -> SearchSpace:
@@ -15,6 +15,32 @@ def space(**changes) -> SearchSpace:
         "weight_decay": {"low": 0.0, "high": 0.1},
     }
     return SearchSpace.model_validate({**base, **changes})
+
+
+def test_native_and_auto_start_from_the_native_precisions():
+    for declared in ("auto", "native"):
+        assert resolve_precisions(declared, CPU_AVX512_BF16) == ("bf16", "none")
+
+
+def test_by_cost_keeps_the_precisions_within_the_tolerance_of_the_cheapest():
+    # AMX Xeon-like: bf16 is the fastest, fp16 "native" but slower than fp32.
+    xeon = {"minilm": {"fp16": 0.0766, "bf16": 0.0512, "none": 0.0711}}
+    choice = by_cost(xeon, ("fp16", "bf16", "none"), 0.1)
+    assert choice.kept == ("bf16",)
+    assert choice.dropped == {
+        "fp16": "its step took 1.50x bf16's, summed over 1 model(s)",
+        "none": "its step took 1.39x bf16's, summed over 1 model(s)"}
+    # Within the tolerance, both stay.
+    assert by_cost({"m": {"bf16": 1.0, "none": 1.09}}, ("bf16", "none"), 0.1).kept == (
+        "bf16", "none")
+    # Summed over the models: a tiny model's milliseconds do not keep a slow precision.
+    demo = {"minilm": {"bf16": 0.285, "none": 0.414}, "tiny": {"bf16": 0.018, "none": 0.016}}
+    assert by_cost(demo, ("bf16", "none"), 0.1).kept == ("bf16",)
+    # A configuration not measured in every precision (unusable in one) does not count;
+    # with none measured in all, nothing speaks against any precision.
+    partial = {"a": {"bf16": 1.0, "none": 2.0}, "b": {"none": 0.1}}
+    assert by_cost(partial, ("bf16", "none"), 0.1).kept == ("bf16",)
+    assert by_cost({"m": {"none": 1.0}}, ("bf16", "none"), 0.1).kept == ("bf16", "none")
 
 
 def test_auto_resolves_to_native_precisions():

@@ -10,13 +10,14 @@ import pytest
 import yaml
 from conftest import REPO, start_worker
 
-from hpo import memory
+from hpo import check, memory
 from hpo.cli import main
 from hpo.config import load
 from hpo.hardware import detect, native_precisions
 from hpo.memory import BatchLimit
+from hpo.space import PIN_ATTR, PinnedSpace, by_cost
 from hpo.storage import open_storage
-from hpo.study import StudyBatchCache, join
+from hpo.study import StudyBatchCache, decide_precisions, join
 
 
 def test_create_is_idempotent_and_pins(tiny_study, any_storage, capsys):
@@ -41,9 +42,59 @@ def test_auto_precision_is_resolved_by_the_first_worker_not_by_create(tiny_study
     assert study.user_attrs["search_space"]["fp_precision"] is None
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "1"]) == 0
+    # The first worker's check measured every native precision; auto keeps the fast ones.
     study = optuna.load_study(study_name="tiny", storage=storage)
-    native = native_precisions(detect("cpu"))
-    assert tuple(study.user_attrs["search_space"]["fp_precision"]) == native
+    device = detect("cpu")
+    native = native_precisions(device)
+    measured = check.step_seconds(check.stored(study, device))
+    assert {p for steps in measured.values() for p in steps} == set(native)
+    expected = by_cost(measured, native, 0.1)
+    pinned = study.user_attrs["search_space"]
+    assert tuple(pinned["fp_precision"]) == expected.kept
+    assert pinned["decided"] == {"by": "cost", "tolerance": 0.1, "dropped": expected.dropped}
+    assert f"fp_precision auto searches {', '.join(expected.kept)}" in capsys.readouterr().out
+    (trial,) = study.trials
+    assert trial.params["fp_precision"] in expected.kept
+
+
+def _pinned_study(storage_url: str, precisions: tuple[str, ...], declared: str = "auto"):
+    storage = open_storage(storage_url)
+    study = optuna.create_study(study_name="p", storage=storage)
+    pinned = PinnedSpace({"fp_precision": declared}, precisions)
+    study.set_user_attr(PIN_ATTR, pinned.to_json())
+    return study, storage, pinned
+
+
+def test_auto_precisions_are_decided_once_by_the_first_worker(any_storage):
+    study, storage, pinned = _pinned_study(any_storage, ("bf16", "none"))
+    fast_bf16 = {"m": {"bf16": 1.0, "none": 1.4}}
+    first = decide_precisions(study, storage, pinned, fast_bf16, 0.1)
+    assert first.fp_precision == ("bf16",) and first.decided["by"] == "cost"
+    # Another worker measured otherwise (noise, another device): the first decision holds.
+    second = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.4, "none": 1.0}}, 0.1)
+    assert second == first
+    assert PinnedSpace.from_json(study.user_attrs[PIN_ATTR]) == first
+    storage.engine.dispose()
+
+
+def test_auto_keeps_every_native_precision_without_timings_or_once_trials_sampled(tmp_path):
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    study, storage, pinned = _pinned_study(url, ("bf16", "none"))
+    skipped = decide_precisions(study, storage, pinned, None, 0.1)
+    assert skipped.fp_precision == ("bf16", "none")
+    assert skipped.decided == {"by": "native",
+                               "why": "no step was measured (the check was skipped)"}
+    study, storage, pinned = _pinned_study(f"sqlite:///{tmp_path / 'e.db'}", ("bf16", "none"))
+    trial = study.ask()  # an older worker's trial, which sampled from both
+    trial.suggest_categorical("fp_precision", ["bf16", "none"])
+    late = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.0, "none": 2.0}}, 0.1)
+    assert late.fp_precision == ("bf16", "none") and late.decided["by"] == "native"
+    # An explicit list, and `native`, are not the check's to narrow.
+    for declared in (["bf16", "none"], "native"):
+        study, storage, pinned = _pinned_study(f"sqlite:///{tmp_path / f'{declared}.db'}",
+                                               ("bf16", "none"), declared)
+        assert decide_precisions(study, storage, pinned, {"m": {"bf16": 1.0, "none": 2.0}},
+                                 0.1) == pinned
 
 
 def test_many_workers_create_one_study_on_an_empty_database(tiny_study, pg_url):

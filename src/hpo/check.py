@@ -11,9 +11,10 @@ the check and a worker on another kind checks its own.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 import optuna
@@ -29,6 +30,11 @@ PREFIX = "check:"
 # Two sequences of max_length tokens: the step runs every kernel a trial's step runs, in
 # seconds, with memory to spare on any device that trains the model at all.
 BATCH = 2
+# The step is timed at a batch nearer a trial's, where it fits, after one untimed step at
+# that shape: a step of two sequences leaves a GPU's tensor cores idle and would rank the
+# precisions by their overheads (`fp_precision: auto` keeps the fast ones by these times).
+TIMING_BATCH = 8
+TIMED_STEPS = 3
 
 
 class Reporter(Protocol):
@@ -49,6 +55,10 @@ class Verdict:
     peak_mib: float | None = None
     attention: str | None = None
     peft: str = "none"  # verdicts stored before adapters were searched are full fine-tuning
+    step_batch: int | None = None  # the micro-batch `step_seconds` was timed at
+
+
+FIELDS = frozenset(f.name for f in fields(Verdict))
 
 
 def key(device: Device) -> str:
@@ -58,7 +68,20 @@ def key(device: Device) -> str:
 def stored(study: optuna.Study, device: Device) -> list[Verdict] | None:
     """The verdicts a worker on this kind of device stored, if any has."""
     found = study.user_attrs.get(key(device))
-    return None if found is None else [Verdict(**v) for v in found]
+    # Keys a newer release added are left out: its verdicts stay readable here.
+    return None if found is None else [Verdict(**{k: v[k] for k in v if k in FIELDS})
+                                       for v in found]
+
+
+def step_seconds(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]] | None:
+    """The measured seconds of a training step per configuration (a model, with its adapter
+    method if any) and precision, for the usable combinations; None if none was timed."""
+    seconds: dict[str, dict[str, float]] = {}
+    for v in verdicts or ():
+        if v.usable and v.step_seconds:
+            name = v.model if v.peft == "none" else f"{v.model} ({v.peft})"
+            seconds.setdefault(name, {})[v.precision] = v.step_seconds
+    return seconds or None
 
 
 def unusable(study: optuna.Study, device: Device, model: str, precision: str,
@@ -111,23 +134,27 @@ def check_one(resources: Resources, model_name: str, precision: str,
         model = prepare(model, plan, device)
         length = min(config.data.max_length, tokenizer.model_max_length)
         probe = memory.device_memory_probe(device)
-        steps: list[tuple[float, float]] = []  # loss, seconds
+        steps: list[tuple[int, float, float]] = []  # batch, loss, seconds
 
         def step(batch: int) -> None:
             began = time.perf_counter()
             loss = probe_step(model, plan, device, batch, length, model.config.vocab_size)
-            steps.append((loss, time.perf_counter() - began))
+            steps.append((batch, loss, time.perf_counter() - began))
 
         # A device too small for two sequences may still train one at a time.
         if not (memory.fits(step, BATCH) or memory.fits(step, 1)):
             raise torch.OutOfMemoryError("out of memory even at micro-batch 1")
-        loss, seconds = steps[-1]
         peak = probe.peak() / 2**20 if probe is not None else None
+        timed = TIMING_BATCH if memory.fits(step, TIMING_BATCH) else steps[0][0]
+        for _ in range(TIMED_STEPS):
+            step(timed)
+        _, loss, _ = steps[-1]
+        seconds = statistics.median(s for _, _, s in steps[-TIMED_STEPS:])
         why = None if math.isfinite(loss) else f"loss {loss} after one step"
         if why is None:
             why = _predictions_not_finite(model, plan, device, length)
-        verdict = Verdict(model_name, precision, why is None, why, round(seconds, 3),
-                          None if peak is None else round(peak, 1), attention, peft)
+        verdict = Verdict(model_name, precision, why is None, why, round(seconds, 4),
+                          None if peak is None else round(peak, 1), attention, peft, timed)
     except Exception as exc:
         verdict = Verdict(model_name, precision, False, one_line(exc), attention=attention,
                           peft=peft)
@@ -177,11 +204,12 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
 
 def table(verdicts: list[Verdict]) -> str:
     with_peft = any(v.peft != "none" for v in verdicts)
-    rows = [("model", "precision", *(("peft",) if with_peft else ()), "s/step", "peak MiB",
-             "attention", "result")]
+    rows = [("model", "precision", *(("peft",) if with_peft else ()), "s/step", "batch",
+             "peak MiB", "attention", "result")]
     for v in verdicts:
         rows.append((v.model, v.precision, *((v.peft,) if with_peft else ()),
-                     "-" if v.step_seconds is None else f"{v.step_seconds:.2f}",
+                     "-" if v.step_seconds is None else f"{v.step_seconds:.3f}",
+                     "-" if v.step_batch is None else str(v.step_batch),
                      "-" if v.peak_mib is None else f"{v.peak_mib:.0f}", v.attention or "-",
                      "ok" if v.usable else f"unusable: {v.why}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

@@ -72,6 +72,12 @@ def _unique(values: list[Any]) -> list[Any]:
 _Choices = Annotated[list[T], Field(min_length=1)]
 
 
+# `fp_precision` values that leave the precisions to the device: `native`, every precision
+# it runs natively; `auto`, of those the ones whose training step the study's check measured
+# no slower than the fastest's by more than `study.precision_tolerance`, summed over models.
+BY_DEVICE = ("auto", "native")
+
+
 class SearchSpace(_Section):
     model_name: Annotated[list[str], Field(min_length=1)]
     fp_precision: str | list[str] = "auto"
@@ -94,10 +100,10 @@ class SearchSpace(_Section):
     @field_validator("fp_precision")
     @classmethod
     def _precisions(cls, value: str | list[str]) -> str | list[str]:
-        if value == "auto":
+        if value in BY_DEVICE:
             return value
         if isinstance(value, str) or not value:
-            raise ValueError("expected auto or a non-empty list of fp16, bf16, none")
+            raise ValueError("expected auto, native or a non-empty list of fp16, bf16, none")
         unknown = [p for p in value if p not in PRECISIONS]
         if unknown:
             raise ValueError(f"unknown precision {unknown[0]!r} (expected fp16, bf16 or none)")
@@ -107,7 +113,7 @@ class SearchSpace(_Section):
     def _distinct(self) -> SearchSpace:
         _unique(self.model_name)
         _unique(self.target_effective_batch_size)
-        if self.fp_precision != "auto":
+        if not self.by_device:
             _unique(self.fp_precision)
         for name in ("peft", *ADAPTER_KEYS):
             if isinstance(getattr(self, name), list):
@@ -131,6 +137,11 @@ class SearchSpace(_Section):
                 raise ValueError(f"{name} must be above 0")
         return self
 
+    @property
+    def by_device(self) -> bool:
+        """Whether the device decides the precisions searched (`auto` or `native`)."""
+        return self.fp_precision in BY_DEVICE
+
     def extras(self) -> dict[str, FloatRange | IntRange | list]:
         """The extra parameters, `peft` before the adapter settings it decides about."""
         names = ("weight_decay", "warmup_ratio", "max_grad_norm", "epochs", "peft",
@@ -139,12 +150,12 @@ class SearchSpace(_Section):
 
     def rejects(self, params: dict[str, Any]) -> str | None:
         """Why a set of parameter values (some or all of the space's) is not a point of this
-        space, or None if it is. With `fp_precision: auto` no precision may be given: which
-        ones are native is the device's to say."""
+        space, or None if it is. With `fp_precision: auto` or `native` no precision may be
+        given: which ones are searched is the device's to say."""
         choices: dict[str, list] = {"model_name": self.model_name,
                                     "target_effective_batch_size":
                                         self.target_effective_batch_size}
-        if self.fp_precision != "auto":
+        if not self.by_device:
             choices["fp_precision"] = self.fp_precision
         ranges = {"learning_rate": self.learning_rate}
         for name, dist in self.extras().items():
@@ -159,7 +170,8 @@ class SearchSpace(_Section):
                         span.low <= value <= span.high):
                     return f"{key} {value!r} is outside [{span.low}, {span.high}]"
             elif key == "fp_precision":
-                return "fp_precision is auto in the search space: leave it out"
+                return (f"fp_precision is {self.fp_precision} in the search space: leave it "
+                        f"out")
             else:
                 return f"{key} is not a parameter of the search space"
         adapter_keys = [key for key in params if key in ADAPTER_KEYS]
@@ -228,6 +240,10 @@ class StudySection(_Section):
     # a SQLite storage file, and none for a server storage.
     keep_best: Annotated[int, Field(ge=0)] = 1
     artifacts: str | None = None
+    # With `fp_precision: auto`, a native precision is searched only if the check measured
+    # its training step, summed over the models, within this fraction of the fastest
+    # precision's: a slower one would spend the budget on trials no better for it.
+    precision_tolerance: Annotated[float, Field(ge=0)] = 0.1
 
     @model_validator(mode="after")
     def _grace(self) -> StudySection:

@@ -10,6 +10,7 @@ a trial reaped while it ran goes on as its retry copy.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -78,10 +79,11 @@ def train_trial(live: LiveTrial, planned: TrialPlan, resources: Resources, repor
     rule applied to the epochs so far, so it compares what the trial's value would be. The
     model of the value's epoch is kept if it ranks in the study's best (`study.keep_best`)."""
     plan, device = planned.plan, resources.device
+    began = time.perf_counter()
     base = adapters.build(resources.models, planned.params.model_name,
                           planned.train_data.labels.shape[1], planned.training, plan.precision)
-    records.record_model(live.trial, base, device.type)
     model = prepare(base, plan, device)
+    records.record_model(live.trial, base, device.type, time.perf_counter() - began)
     objective = resources.config.study.objective
     rule = resources.config.study.objective_epoch
     scores: list[metrics.Scores] = []
@@ -160,11 +162,13 @@ def train_folds(live: LiveTrial, planned: TrialPlan, resources: Resources, repor
 
     try:
         for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
+            began = time.perf_counter()
             base = adapters.build(resources.models, planned.params.model_name,
                                   fold.train.labels.shape[1], planned.training, plan.precision)
-            if index == 1:
-                records.record_model(live.trial, base, device.type)
             model = prepare(base, plan, device)
+            if index == 1:  # the first fold's, as every fold builds the same model
+                records.record_model(live.trial, base, device.type,
+                                     time.perf_counter() - began)
             scores: list[metrics.Scores] = []
             train(model, fold.train, plan, device, pad_id=planned.pad_id,
                   evaluate=scorer(resources, plan, fold.validation, fold.gold, planned.pad_id,

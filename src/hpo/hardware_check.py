@@ -1,5 +1,5 @@
 """`hpo hardware`: what this device supports, a short measured training step per precision,
-and which precisions `fp_precision: auto` will search here, with the reason."""
+and which precisions `fp_precision: native` and `auto` search here, with the reason."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from hpo.config import PRECISIONS
+from hpo.config import PRECISIONS, StudySection
 from hpo.hardware import CPU_KERNEL_CACHES, Device, native_precisions
+from hpo.space import CostChoice, by_cost
 
 NATIVE, EMULATED, UNSUPPORTED = "native", "emulated", "unsupported"
 
@@ -37,8 +38,11 @@ class Report:
     device: Device
     support: dict[str, str]  # fp16, bf16, tf32 -> native | emulated | unsupported
     measurements: tuple[Measurement, ...]
-    searched: tuple[str, ...]
+    searched: tuple[str, ...]  # by `native`: what the device runs natively
     reasons: dict[str, str]
+    # By `auto` on the small BERT measured here, if it was: a study's own check decides
+    # for its models.
+    by_cost: CostChoice | None = None
     kernel_caches: dict[str, str] = field(default_factory=dict)  # CPU only: variable -> value
     load_average: float = 0.0  # 1-minute load average when the measurement began
     cores: int = 1
@@ -156,14 +160,22 @@ def noise_warnings(report: Report) -> list[str]:
     return warnings
 
 
+TOLERANCE = StudySection.model_fields["precision_tolerance"].default
+
+
 def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
     load_average = os.getloadavg()[0]
+    native = native_precisions(device)
+    measurements = measure(device, steps) if measured else ()
+    seconds = {"small BERT": {m.precision: m.step_seconds for m in measurements
+                              if m.precision in native}}
     return Report(
         device=device,
         support=support(device),
-        measurements=measure(device, steps) if measured else (),
-        searched=native_precisions(device),
+        measurements=measurements,
+        searched=native,
         reasons=reasons(device),
+        by_cost=by_cost(seconds, native, TOLERANCE) if measurements else None,
         kernel_caches=kernel_caches(device),
         load_average=load_average,
         cores=os.cpu_count() or 1,
@@ -191,8 +203,16 @@ def render(report: Report) -> str:
         lines.append("compiled-kernel caches: " + ", ".join(
             f"{name}={value}" for name, value in report.kernel_caches.items()))
     searched = ", ".join(report.searched)
-    lines.append(f"fp_precision: auto searches {searched} on this device:")
+    lines.append(f"fp_precision: native searches {searched} on this device:")
     for precision in PRECISIONS:
         mark = "yes" if precision in report.searched else "no "
         lines.append(f"  {mark} {precision}: {report.reasons[precision]}")
+    auto = (f"fp_precision: auto (the default) searches those of them whose training step "
+            f"a study's check measures within {TOLERANCE:.0%} of the fastest, summed over its "
+            f"models")
+    choice = report.by_cost
+    if choice is not None:
+        auto += f"; for the small BERT above: {', '.join(choice.kept)}"
+        auto += "".join(f" (not {p}: {why})" for p, why in choice.dropped.items())
+    lines.append(auto)
     return "\n".join(lines)

@@ -54,8 +54,8 @@ def cache_key(params: Params, training: TrainingConfig, max_length: int, device:
 def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache,
                watch: Watch = unwatched) -> TrialPlan:
     """Sample the parameters, refuse a combination the study's check found unusable, find
-    the physical batch that fits and derive the plan. Where the tokens came from is recorded
-    on the trial as soon as it is known."""
+    the physical batch that fits and derive the plan. Where the tokens came from, and the
+    seconds tokenization and the batch search took, are recorded on the trial."""
     config, device = resources.config, resources.device
     params = suggest(trial, resources.pinned)
     training = config.training.model_copy(update=params.extras)
@@ -70,8 +70,10 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
     trial.set_user_attr("tokenization", source)
     trial.set_user_attr("tokenization_seconds", round(time.perf_counter() - began, 3))
     tokenizer = resources.models.tokenizer(params.model_name)
+    began = time.perf_counter()
     plan, key, probes = fit_batch(base_plan(params, training), params, training,
                                   train_data.labels.shape[1], resources, cache, watch)
+    trial.set_user_attr("batch_search_seconds", round(time.perf_counter() - began, 3))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TrialPlan(params, training, plan, key, probes, train_data, validation_data, pad_id)
 

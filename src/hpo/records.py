@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -50,8 +51,11 @@ def record_plan(trial: optuna.Trial, planned: TrialPlan) -> None:
     trial.set_user_attr("training", planned.training.model_dump(mode="json"))
 
 
-def record_model(trial: optuna.Trial, model: torch.nn.Module, device_type: str) -> None:
-    """What the model and optimizer got, which the family and the device decide."""
+def record_model(trial: optuna.Trial, model: torch.nn.Module, device_type: str,
+                 seconds: float) -> None:
+    """What the model and optimizer got, which the family and the device decide, and the
+    seconds it took to build it."""
+    trial.set_user_attr("model_seconds", round(seconds, 3))
     # transformers keeps the attention in a private config field (models.py reads it too);
     # the family tests fail if it moves.
     trial.set_user_attr("attention_implementation", model.config._attn_implementation)
@@ -91,6 +95,7 @@ def record_progress(trial: optuna.Trial, progress: Progress | None,
     if progress is not None:
         record_speed(trial, progress)
         trial.set_user_attr("train_seconds", round(progress.train_seconds, 3))
+        trial.set_user_attr("eval_seconds", round(progress.eval_seconds, 3))
         trial.set_user_attr("epochs_completed", len(scores))
     if scores:
         values = [s.get(objective) for s in scores]
@@ -117,8 +122,10 @@ def keep(trial: optuna.Trial, planned: TrialPlan, resources: Resources,
         (directory / "hpo-trial.json").write_text(artifacts.settings(
             trial, value, epoch, planned.training.model_dump(mode="json")))
 
+    began = time.perf_counter()
     try:
         artifacts.keep(trial, value, keeper, save, lock)
+        trial.set_user_attr("keep_seconds", round(time.perf_counter() - began, 3))
     except Exception as exc:
         reporter.warning(f"trial {trial.number}: its model could not be kept in "
                          f"{keeper.where}: {one_line(exc)}")

@@ -9,7 +9,15 @@ from typing import Any
 
 import optuna
 
-from hpo.config import ADAPTER_KEYS, FloatRange, IntRange, SearchSpace, StudyConfig
+from hpo.config import (
+    ADAPTER_KEYS,
+    BY_DEVICE,
+    PRECISIONS,
+    FloatRange,
+    IntRange,
+    SearchSpace,
+    StudyConfig,
+)
 from hpo.errors import SpaceError
 from hpo.hardware import Device, native_precisions
 
@@ -31,27 +39,37 @@ class PinnedSpace:
     # What `declared` resolved to on the first device that ran trials; None until one has,
     # for `auto` in a study created on a host that runs none (`hpo create`, "anywhere").
     fp_precision: tuple[str, ...] | None
+    # For `auto`: how the precisions were narrowed to those worth a trial (`by_cost`), once,
+    # before any trial sampled one; None until then.
+    decided: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         precisions = None if self.fp_precision is None else list(self.fp_precision)
-        return {"declared": self.declared, "fp_precision": precisions}
+        return {"declared": self.declared, "fp_precision": precisions,
+                **({"decided": self.decided} if self.decided is not None else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PinnedSpace:
         precisions = data["fp_precision"]
-        return cls(data["declared"], None if precisions is None else tuple(precisions))
+        return cls(data["declared"], None if precisions is None else tuple(precisions),
+                   data.get("decided"))
 
     def describe_precisions(self) -> str:
         if self.fp_precision is None:
-            return "auto (resolved by the first worker that runs trials, on its device)"
-        return ", ".join(self.fp_precision)
+            return (f"{self.declared.get('fp_precision')} (resolved by the first worker that "
+                    f"runs trials, on its device)")
+        listed = ", ".join(self.fp_precision)
+        if self.declared.get("fp_precision") == "auto" and self.decided is None:
+            return f"{listed}, before the check's step times narrow auto"
+        return listed
 
 
 def resolve_precisions(declared: str | list[str], device: Device) -> tuple[str, ...]:
-    """`auto` keeps what the device runs natively; an explicit list must be all native,
-    since an emulated precision is slower than fp32 and not worth a trial."""
+    """`auto` and `native` keep what the device runs natively (`auto` is narrowed further
+    by cost, `by_cost`); an explicit list must be all native, since an emulated precision
+    is slower than fp32 and not worth a trial."""
     native = native_precisions(device)
-    if declared == "auto":
+    if declared in BY_DEVICE:
         return native
     for precision in declared:
         if precision not in native:
@@ -67,9 +85,34 @@ def declare(space: SearchSpace, device: Device | None) -> PinnedSpace:
     but runs no trial), `auto` stays unresolved and an explicit list unchecked."""
     declared = space.model_dump(mode="json", exclude_none=True)
     if device is None:
-        explicit = space.fp_precision != "auto"
-        return PinnedSpace(declared, tuple(space.fp_precision) if explicit else None)
+        return PinnedSpace(declared, None if space.by_device else tuple(space.fp_precision))
     return PinnedSpace(declared, resolve_precisions(space.fp_precision, device))
+
+
+@dataclass(frozen=True)
+class CostChoice:
+    kept: tuple[str, ...]
+    dropped: dict[str, str]  # precision -> why
+
+
+def by_cost(seconds: dict[str, dict[str, float]], candidates: tuple[str, ...],
+            tolerance: float) -> CostChoice:
+    """The candidate precisions worth searching, from the measured seconds of a training
+    step per configuration (model) and precision. A precision's cost is its step's seconds
+    summed over the configurations measured in every candidate precision, each as likely in
+    a trial, so the models that dominate a search's time decide, not a tiny model's noisy
+    milliseconds; it is kept within `tolerance` of the cheapest precision's. With no
+    configuration measured in all of them, all are kept: nothing speaks against any."""
+    complete = [steps for steps in seconds.values() if all(p in steps for p in candidates)]
+    if not complete:
+        return CostChoice(candidates, {})
+    cost = {p: sum(steps[p] for steps in complete) for p in candidates}
+    cheapest = min(cost.values())
+    fastest = min(candidates, key=cost.__getitem__)
+    kept = tuple(p for p in PRECISIONS if p in cost and cost[p] <= (1 + tolerance) * cheapest)
+    dropped = {p: f"its step took {cost[p] / cheapest:.2f}x {fastest}'s, summed over "
+                  f"{len(complete)} model(s)" for p in candidates if p not in kept}
+    return CostChoice(kept, dropped)
 
 
 def check_device(config: StudyConfig, device: Device) -> PinnedSpace:

@@ -19,7 +19,7 @@ from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
 from hpo.memory import BatchLimit
-from hpo.space import PinnedSpace, pin
+from hpo.space import PIN_ATTR, PinnedSpace, by_cost, pin
 from hpo.storage import ResilientRDBStorage, retry_callback
 
 
@@ -122,7 +122,7 @@ def warm_start(storage: ResilientRDBStorage, config: StudyConfig) -> list[dict]:
     chosen = []
     for trial in best:
         params = dict(trial.params)
-        if space.fp_precision == "auto":
+        if space.by_device:
             params.pop("fp_precision", None)
         if space.rejects(params) is None and params not in chosen:
             chosen.append(params)
@@ -178,6 +178,35 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
     retry = retry_callback(pinned["max_retry"])
     storage.heartbeat_stale_trial_callback = storage.failed_trial_callback = retry
     return pinned
+
+
+def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned: PinnedSpace,
+                      seconds: dict[str, dict[str, float]] | None,
+                      tolerance: float) -> PinnedSpace:
+    """For `fp_precision: auto`, the precisions the study searches, decided once for the
+    whole fleet, before any trial samples one (Optuna's categorical choices cannot change
+    later): those `space.by_cost` keeps from the check's measured `seconds` per step (per
+    model and precision), or, with no measurement, every native one. Under the study lock:
+    the first worker to decide decides for all; the others read its decision."""
+    if pinned.declared.get("fp_precision") != "auto" or pinned.decided is not None:
+        return pinned
+    with budget.study_lock(storage.engine, study.study_name):
+        stored = PinnedSpace.from_json(study.user_attrs[PIN_ATTR])
+        if stored.decided is not None or stored.fp_precision is None:
+            return stored
+        sampled = any("fp_precision" in t.params for t in study.get_trials(deepcopy=False))
+        if sampled or not seconds:
+            why = ("trials already sampled a precision" if sampled
+                   else "no step was measured (the check was skipped)")
+            decided = PinnedSpace(stored.declared, stored.fp_precision,
+                                  {"by": "native", "why": why})
+        else:
+            choice = by_cost(seconds, stored.fp_precision, tolerance)
+            decided = PinnedSpace(stored.declared, choice.kept,
+                                  {"by": "cost", "tolerance": tolerance,
+                                   "dropped": choice.dropped})
+        study.set_user_attr(PIN_ATTR, decided.to_json())
+        return decided
 
 
 def finished_count(study: optuna.Study) -> int:

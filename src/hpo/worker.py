@@ -27,8 +27,15 @@ from hpo.liveness import LiveTrial, heartbeat, reap
 from hpo.outcome import GivenBack, Outcome
 from hpo.report import ConsoleReporter
 from hpo.resources import Resources, load_resources
+from hpo.space import PinnedSpace
 from hpo.storage import ResilientRDBStorage, redact
-from hpo.study import finished_count, join, make_sampler, shared_batch_cache
+from hpo.study import (
+    decide_precisions,
+    finished_count,
+    join,
+    make_sampler,
+    shared_batch_cache,
+)
 
 BASELINE = "every symptom predicted for every post"
 # With fewer validation posts a symptom has a handful of positives, and one post more or less
@@ -57,6 +64,20 @@ def below_baseline_warning(study: optuna.Study, objective: str, baseline: float)
     return (f"the best trial ({objective} {best.value:.4f}) is below the trivial baseline "
             f"({baseline:.4f}, {BASELINE}): no model has learned the task yet; try more "
             f"epochs, more trials or another learning-rate range")
+
+
+def describe_decision(pinned: PinnedSpace) -> str:
+    """The precisions `fp_precision: auto` searches, and why the others are not."""
+    decided = pinned.decided or {}
+    text = f"fp_precision auto searches {', '.join(pinned.fp_precision or ())}"
+    if decided.get("by") == "native":
+        return f"{text}: every native precision ({decided['why']})"
+    dropped = decided.get("dropped", {})
+    if dropped:
+        text += "".join(f"; not {p} ({why})" for p, why in dropped.items())
+    return (f"{text} (kept: within study.precision_tolerance {decided.get('tolerance', 0):g} "
+            f"of the fastest precision's step time, summed over the models; "
+            f"fp_precision: native searches every native one)")
 
 
 class LoopReporter(Protocol):
@@ -126,8 +147,13 @@ def work(
             f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
             f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
         )
-    if run_check:
-        check.ensure(study, resources, pinned.fp_precision, reporter)
+    verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
+                else check.stored(study, device))
+    decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
+                                config.study.precision_tolerance)
+    if decided.decided != pinned.decided:
+        reporter.message(describe_decision(decided))
+    pinned = resources.pinned = decided
     objective = config.study.objective
     baseline = resources.baseline().get(objective)
     study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
