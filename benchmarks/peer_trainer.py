@@ -100,6 +100,22 @@ class Setup:
             logging_strategy="no", report_to="none", disable_tqdm=True, seed=training.seed)
         return TrainingArguments(**{**settings, **changes})
 
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        """The Trainer's settings a trial samples from the study's space: its batch (the
+        per-device batch, no accumulation), learning rate and weight decay."""
+        space = self.config.search_space
+        params: dict[str, Any] = {
+            "per_device_train_batch_size": trial.suggest_categorical(
+                "target_effective_batch_size", space.target_effective_batch_size),
+            "learning_rate": trial.suggest_float(
+                "learning_rate", space.learning_rate.low, space.learning_rate.high,
+                log=space.learning_rate.log),
+        }
+        if space.weight_decay is not None:
+            params["weight_decay"] = trial.suggest_float(
+                "weight_decay", space.weight_decay.low, space.weight_decay.high)
+        return params
+
     def sampler(self, seed: int) -> optuna.samplers.TPESampler:
         return optuna.samplers.TPESampler(
             seed=seed, n_startup_trials=self.config.study.sampler.n_startup_trials)
@@ -145,17 +161,7 @@ def novice(peer: Setup, args: argparse.Namespace) -> None:
 
     def hp_space(trial: optuna.Trial) -> dict:
         trial.suggest_categorical("model_name", space.model_name)
-        params = {
-            "per_device_train_batch_size": trial.suggest_categorical(
-                "target_effective_batch_size", space.target_effective_batch_size),
-            "learning_rate": trial.suggest_float(
-                "learning_rate", space.learning_rate.low, space.learning_rate.high,
-                log=space.learning_rate.log),
-        }
-        if space.weight_decay is not None:
-            params["weight_decay"] = trial.suggest_float(
-                "weight_decay", space.weight_decay.low, space.weight_decay.high)
-        return params
+        return peer.suggest(trial)
 
     def model_init(trial: optuna.Trial | None):
         # The Trainer builds the model before it calls hp_space: the model is sampled here
@@ -205,17 +211,7 @@ def expert(peer: Setup, args: argparse.Namespace) -> None:
 
     def objective(trial: optuna.Trial) -> float:
         name = trial.suggest_categorical("model_name", space.model_name)
-        batch = trial.suggest_categorical("target_effective_batch_size",
-                                          space.target_effective_batch_size)
-        changes: dict[str, Any] = {
-            "per_device_train_batch_size": batch,
-            "learning_rate": trial.suggest_float(
-                "learning_rate", space.learning_rate.low, space.learning_rate.high,
-                log=space.learning_rate.log),
-        }
-        if space.weight_decay is not None:
-            changes["weight_decay"] = trial.suggest_float(
-                "weight_decay", space.weight_decay.low, space.weight_decay.high)
+        changes = peer.suggest(trial)
         tokenizer, train_rows, validation_rows = peer.per_model[name]
         pruning = EpochPruning(trial, peer.config.training.epochs)
         with tempfile.TemporaryDirectory() as output:

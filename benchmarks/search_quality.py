@@ -53,11 +53,20 @@ HERE = Path(__file__).resolve().parent
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
+# The instructions that tell these machines' CPU kinds apart (and decide what `auto` does):
+# several kinds share a model name ("AMD EPYC").
+KIND_FLAGS = ("amx_bf16", "avx512_fp16", "avx512_bf16", "avx2")
+
+
 def cpu_model() -> str:
+    """The CPU's model name and the kind-telling instructions it has."""
+    name, flags = platform.processor(), set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    return f"{name} ({', '.join(f for f in KIND_FLAGS if f in flags) or 'no AVX2'})"
 
 
 def timed(command: list[str], env: dict[str, str], log: Path) -> tuple[float, float]:
