@@ -19,8 +19,9 @@ split, space, epochs, warm-up, clipping, loss weights, TPE start-up trials and s
 For each seed it runs each peer for `--n-trials` trials, then hpo (`hpo run --study demo`)
 for as many, then hpo again on the same study until it has run as long as the slowest peer
 (a second process, whose start-up is counted), so hpo can be read at every peer's wall time.
-With `--append`, the (tool, seed) runs already in `--output` are kept and not run again;
-hpo is run again for a seed whose new peer ran longer than hpo did. Each
+With `--append`, the (tool, seed) runs already in `--output` are kept and not run again
+(`--rerun hpo` runs hpo again, after a change to it); hpo is run again for a seed whose new
+peer ran longer than hpo did. Each
 `--variant NAME=KEY=VALUE[;KEY=VALUE...]` runs hpo with those overrides per seed (trial
 budget only).
 
@@ -173,6 +174,9 @@ def measure(args: argparse.Namespace) -> dict:
         results = json.loads(args.output.read_text())
         if results["n_trials"] != args.n_trials:
             raise SystemExit(f"{args.output} holds runs of {results['n_trials']} trials")
+        # A tool whose code changed since its runs: they are run again for these seeds.
+        results["runs"] = [r for r in results["runs"]
+                           if not (r["tool"] in args.rerun and r["seed"] in args.seeds)]
 
     def save(record: dict) -> None:
         results["runs"] = [r for r in results["runs"] if not (
@@ -404,6 +408,9 @@ def main() -> None:
                         help="run only the variants (with --append: add them to --output)")
     parser.add_argument("--append", action="store_true",
                         help="add this invocation's runs to those already in --output")
+    parser.add_argument("--rerun", nargs="*", choices=("hpo", *PEERS), default=[],
+                        help="with --append: run these tools again for --seeds (their code "
+                             "changed since)")
     parser.add_argument("--output", type=Path, default=HERE / "search_quality.json")
     parser.add_argument("--plot", type=Path, default=HERE / "search_quality.png")
     parser.add_argument("--render", type=Path, default=None,
