@@ -37,11 +37,11 @@ def test_check_prints_a_table_and_keeps_the_verdicts_in_the_study(tiny_study, st
         ("tiny-bert", "none"), ("tiny-bert-b", "none")}
     for verdict in kept:
         assert verdict.usable and verdict.why is None and verdict.step_seconds > 0
-        # Timed at the timing batch (it fits here), after the step of two sequences.
-        assert verdict.step_batch == check.TIMING_BATCH
+        # Timed after the first step, at its batch of two sequences.
+        assert verdict.step_batch == check.BATCH
         assert verdict.attention == "sdpa" and verdict.peak_mib is None  # a CPU reports none
         assert re.search(rf"{re.escape(verdict.model)}\s+none\s+[\d.]+\s+"
-                         rf"{check.TIMING_BATCH}\s+-\s+sdpa\s+ok", out)
+                         rf"{check.BATCH}\s+-\s+sdpa\s+ok", out)
     assert "2 of 2 model x precision combinations usable" in out
 
 
@@ -113,15 +113,19 @@ def test_verdicts_with_keys_of_a_newer_release_are_read_and_timed_ones_give_step
     study.set_user_attr(check.key(A100), [
         {"model": "m", "precision": "bf16", "usable": True, "step_seconds": 0.5,
          "step_batch": 8, "a_later_key": 1},
-        {"model": "m", "precision": "none", "usable": True, "step_seconds": 0.8},
+        {"model": "m", "precision": "none", "usable": True, "step_seconds": 0.8,
+         "step_batch": 2},
         {"model": "m", "precision": "fp16", "usable": False, "why": "loss nan"},
         {"model": "m", "precision": "bf16", "usable": True, "step_seconds": 0.6,
-         "peft": "lora"}])
+         "step_batch": 4, "peft": "lora"},
+        {"model": "old", "precision": "bf16", "usable": True, "step_seconds": 0.1}])
     stored = check.stored(study, A100)
-    assert [v.precision for v in stored] == ["bf16", "none", "fp16", "bf16"]
-    assert check.step_seconds(stored) == {"m": {"bf16": 0.5, "none": 0.8},
-                                          "m (lora)": {"bf16": 0.6}}
+    assert [v.precision for v in stored] == ["bf16", "none", "fp16", "bf16", "bf16"]
+    # Per sequence; an older release's verdicts (no step_batch) and unusable ones not counted.
+    assert check.step_seconds(stored) == {"m": {"bf16": 0.5 / 8, "none": 0.8 / 2},
+                                          "m (lora)": {"bf16": 0.6 / 4}}
     assert check.step_seconds([]) is None
+    assert check.step_seconds(stored[-1:]) is None
 
 
 def test_check_on_the_demo_study(tmp_path):

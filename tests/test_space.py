@@ -36,11 +36,15 @@ def test_by_cost_keeps_the_precisions_within_the_tolerance_of_the_cheapest():
     # Summed over the models: a tiny model's milliseconds do not keep a slow precision.
     demo = {"minilm": {"bf16": 0.285, "none": 0.414}, "tiny": {"bf16": 0.018, "none": 0.016}}
     assert by_cost(demo, ("bf16", "none"), 0.1).kept == ("bf16",)
-    # A configuration not measured in every precision (unusable in one) does not count;
-    # with none measured in all, nothing speaks against any precision.
+    # A configuration not measured in every precision (unusable in one) does not count.
     partial = {"a": {"bf16": 1.0, "none": 2.0}, "b": {"none": 0.1}}
     assert by_cost(partial, ("bf16", "none"), 0.1).kept == ("bf16",)
-    assert by_cost({"m": {"none": 1.0}}, ("bf16", "none"), 0.1).kept == ("bf16", "none")
+    # A precision no model could step in is dropped, and the others still compared.
+    a100 = by_cost({"m": {"bf16": 0.10, "none": 0.35}}, ("fp16", "bf16", "none"), 0.1)
+    assert a100.kept == ("bf16",)
+    assert a100.dropped["fp16"] == "no model stepped in it (hpo check)"
+    # Nothing measured at all: nothing speaks against any precision.
+    assert by_cost({}, ("bf16", "none"), 0.1).kept == ("bf16", "none")
 
 
 def test_auto_resolves_to_native_precisions():

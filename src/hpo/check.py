@@ -1,5 +1,6 @@
-"""One real training step per model x precision (x adapter method, where the space searches
-`peft`) before the search spends GPU hours.
+"""Real training steps per model x precision (x adapter method, where the space searches
+`peft`) before the search spends GPU hours: one of two sequences, then three more, timed,
+whose time per sequence `fp_precision: auto` goes by.
 
 A combination whose model cannot be built, whose step raises or whose loss or predictions are
 not finite is unusable: the trials that sample it are pruned at once with
@@ -24,16 +25,15 @@ from hpo import adapters, memory
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device
 from hpo.resources import Resources
-from hpo.train import Plan, autocast, prepare, probe_step
+from hpo.train import Plan, autocast, make_optimizer, prepare, probe_step
 
 PREFIX = "check:"
 # Two sequences of max_length tokens: the step runs every kernel a trial's step runs, in
 # seconds, with memory to spare on any device that trains the model at all.
 BATCH = 2
-# The step is timed at a batch nearer a trial's, where it fits, after one untimed step at
-# that shape: a step of two sequences leaves a GPU's tensor cores idle and would rank the
-# precisions by their overheads (`fp_precision: auto` keeps the fast ones by these times).
-TIMING_BATCH = 8
+# Timed after the first step (which pays for allocation and kernel selection), at the same
+# batch: a larger one could meet the OOM killer before any trial, where two sequences are
+# what the check already showed the device holds.
 TIMED_STEPS = 3
 
 
@@ -74,13 +74,16 @@ def stored(study: optuna.Study, device: Device) -> list[Verdict] | None:
 
 
 def step_seconds(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]] | None:
-    """The measured seconds of a training step per configuration (a model, with its adapter
-    method if any) and precision, for the usable combinations; None if none was timed."""
+    """The measured seconds of a training step per sequence, per configuration (a model,
+    with its adapter method if any) and precision, for the usable combinations; None if none
+    was timed. Per sequence, since a precision that fits fewer sequences is timed at a
+    smaller batch; verdicts of releases that timed one untimed-shape step of two sequences
+    (no `step_batch`) are not counted: they rank the precisions by their overheads."""
     seconds: dict[str, dict[str, float]] = {}
     for v in verdicts or ():
-        if v.usable and v.step_seconds:
+        if v.usable and v.step_seconds and v.step_batch:
             name = v.model if v.peft == "none" else f"{v.model} ({v.peft})"
-            seconds.setdefault(name, {})[v.precision] = v.step_seconds
+            seconds.setdefault(name, {})[v.precision] = v.step_seconds / v.step_batch
     return seconds or None
 
 
@@ -135,20 +138,26 @@ def check_one(resources: Resources, model_name: str, precision: str,
         length = min(config.data.max_length, tokenizer.model_max_length)
         probe = memory.device_memory_probe(device)
         steps: list[tuple[int, float, float]] = []  # batch, loss, seconds
+        # One optimizer and scaler for every step, as in training: a timed step allocates no
+        # optimizer state, and an fp16 step skipped for an overflow at a fresh scaler's
+        # first scale happens once, untimed.
+        optimizer = make_optimizer(model, plan, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
         def step(batch: int) -> None:
             began = time.perf_counter()
-            loss = probe_step(model, plan, device, batch, length, model.config.vocab_size)
+            loss = probe_step(model, plan, device, batch, length, model.config.vocab_size,
+                              optimizer, scaler)
             steps.append((batch, loss, time.perf_counter() - began))
 
         # A device too small for two sequences may still train one at a time.
         if not (memory.fits(step, BATCH) or memory.fits(step, 1)):
             raise torch.OutOfMemoryError("out of memory even at micro-batch 1")
         peak = probe.peak() / 2**20 if probe is not None else None
-        timed = TIMING_BATCH if memory.fits(step, TIMING_BATCH) else steps[0][0]
+        timed = steps[0][0]
         for _ in range(TIMED_STEPS):
             step(timed)
-        _, loss, _ = steps[-1]
+        _, loss, _ = steps[0]
         seconds = statistics.median(s for _, _, s in steps[-TIMED_STEPS:])
         why = None if math.isfinite(loss) else f"loss {loss} after one step"
         if why is None:
@@ -189,7 +198,7 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
     if missing:
         report.message(f"checking {len(missing)} model x precision"
                        f"{' x peft method' if methods(resources) != ['none'] else ''} "
-                       f"combination(s) on {resources.device.describe()}: one step each "
+                       f"combination(s) on {resources.device.describe()}: a few steps each "
                        f"(--skip-check skips)")
         verdicts = verdicts + list(check_all(resources, precisions, done))
         study.set_user_attr(key(resources.device), [asdict(v) for v in verdicts])

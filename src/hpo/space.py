@@ -39,8 +39,8 @@ class PinnedSpace:
     # What `declared` resolved to on the first device that ran trials; None until one has,
     # for `auto` in a study created on a host that runs none (`hpo create`, "anywhere").
     fp_precision: tuple[str, ...] | None
-    # For `auto`: how the precisions were narrowed to those worth a trial (`by_cost`), once,
-    # before any trial sampled one; None until then.
+    # For `auto`: how its precisions were decided, once for the study (`by_cost`, or every
+    # native one where nothing was timed or trials had sampled already); None until then.
     decided: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -98,20 +98,25 @@ class CostChoice:
 def by_cost(seconds: dict[str, dict[str, float]], candidates: tuple[str, ...],
             tolerance: float) -> CostChoice:
     """The candidate precisions worth searching, from the measured seconds of a training
-    step per configuration (model) and precision. A precision's cost is its step's seconds
-    summed over the configurations measured in every candidate precision, each as likely in
-    a trial, so the models that dominate a search's time decide, not a tiny model's noisy
-    milliseconds; it is kept within `tolerance` of the cheapest precision's. With no
-    configuration measured in all of them, all are kept: nothing speaks against any."""
-    complete = [steps for steps in seconds.values() if all(p in steps for p in candidates)]
-    if not complete:
+    step (per sequence) per configuration (model) and precision. A precision no model could
+    step in is dropped. Of the rest, a precision's cost is its seconds summed over the
+    configurations measured in all of them, each as likely in a trial, so the models that
+    dominate a search's time decide, not a tiny model's noisy milliseconds; it is kept
+    within `tolerance` of the cheapest precision's. With no configuration measured in all,
+    they are all kept: nothing speaks against any."""
+    usable = tuple(p for p in candidates if any(p in steps for steps in seconds.values()))
+    if not usable:
         return CostChoice(candidates, {})
-    cost = {p: sum(steps[p] for steps in complete) for p in candidates}
+    dropped = {p: "no model stepped in it (hpo check)" for p in candidates if p not in usable}
+    complete = [steps for steps in seconds.values() if all(p in steps for p in usable)]
+    if not complete:
+        return CostChoice(usable, dropped)
+    cost = {p: sum(steps[p] for steps in complete) for p in usable}
     cheapest = min(cost.values())
-    fastest = min(candidates, key=cost.__getitem__)
+    fastest = min(usable, key=cost.__getitem__)
     kept = tuple(p for p in PRECISIONS if p in cost and cost[p] <= (1 + tolerance) * cheapest)
-    dropped = {p: f"its step took {cost[p] / cheapest:.2f}x {fastest}'s, summed over "
-                  f"{len(complete)} model(s)" for p in candidates if p not in kept}
+    dropped |= {p: f"its step took {cost[p] / cheapest:.2f}x {fastest}'s, summed over "
+                   f"{len(complete)} model(s)" for p in usable if p not in kept}
     return CostChoice(kept, dropped)
 
 

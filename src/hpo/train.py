@@ -209,13 +209,14 @@ def optimizer_step(
 
 
 def probe_step(
-    model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int, vocab: int
+    model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int, vocab: int,
+    optimizer: torch.optim.Optimizer | None = None, scaler: torch.amp.GradScaler | None = None,
 ) -> float:
     """One full training step (forward, backward, optimizer step) on `batch` sequences of
     `length` tokens: the memory a real step of that size needs, optimizer state included.
-    Returns the step's loss."""
-    optimizer = make_optimizer(model, plan, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    A fresh optimizer and scaler unless given. Returns the step's loss."""
+    optimizer = optimizer or make_optimizer(model, plan, device)
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
     generator = torch.Generator().manual_seed(0)
     inputs = {
         "input_ids": torch.randint(0, vocab, (batch, length), generator=generator),

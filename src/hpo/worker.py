@@ -76,7 +76,7 @@ def describe_decision(pinned: PinnedSpace) -> str:
     if dropped:
         text += "".join(f"; not {p} ({why})" for p, why in dropped.items())
     return (f"{text} (kept: within study.precision_tolerance {decided.get('tolerance', 0):g} "
-            f"of the fastest precision's step time, summed over the models; "
+            f"of the fastest precision's step time per sequence, summed over the models; "
             f"fp_precision: native searches every native one)")
 
 
@@ -153,6 +153,11 @@ def work(
                                 config.study.precision_tolerance)
     if decided.decided != pinned.decided:
         reporter.message(describe_decision(decided))
+    stored_tolerance = (decided.decided or {}).get("tolerance")
+    if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
+        reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
+                         f"not applied: the study decided its precisions with "
+                         f"{stored_tolerance:g} (a new study decides again)")
     pinned = resources.pinned = decided
     objective = config.study.objective
     baseline = resources.baseline().get(objective)
