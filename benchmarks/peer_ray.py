@@ -23,8 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 
-import transformers
-from peer_trainer import expert_switches, setup
+from peer_trainer import expert_switches, quiet_libraries, setup
 from transformers import DataCollatorWithPadding, Trainer
 
 ASHA_REDUCTION_FACTOR = 2
@@ -37,8 +36,7 @@ def main() -> None:
     parser.add_argument("--n-trials", type=int, required=True)
     parser.add_argument("--trials-out", type=Path, required=True)
     args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("optuna").setLevel(logging.WARNING)
+    quiet_libraries()
 
     import ray
     from ray import tune

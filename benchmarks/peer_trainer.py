@@ -126,6 +126,11 @@ class Setup:
                                            n_warmup_steps=pruner.n_warmup_steps)
 
 
+def quiet_libraries() -> None:
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("optuna").setLevel(logging.WARNING)
+
+
 def setup(study: str) -> Setup:
     config = load(study_path(study))
     data = config.data
@@ -246,8 +251,7 @@ def main() -> None:
     parser.add_argument("--n-trials", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None)
     args = parser.parse_args()
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("optuna").setLevel(logging.WARNING)
+    quiet_libraries()
     GLUES[args.glue](setup(args.study), args)
 
 
