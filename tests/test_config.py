@@ -216,6 +216,16 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
       "study.enqueue=[{lora_r: 8}]"],
      r"study.enqueue\[0\]: lora_r is set, but the set may run without adapters"),
     (["search_space.peft=[qlora]"], "search_space.peft.0"),
+    (["search_space.adapter_learning_rate={low: 1.0e-4, high: 1.0e-3}"],
+     "adapter_learning_rate is searched, but peft has no lora or dora"),
+    (["search_space.peft=[none, lora]", "search_space.adapter_learning_rate={low: 1, high: 0.1}"],
+     r"low \(1.0\) is greater than high"),
+    (["search_space.peft=[none, lora]", "search_space.adapter_learning_rate={low: 1.0e-4, high: "
+      "1.0e-3}", "study.enqueue=[{learning_rate: 1.0e-5}]"],
+     r"study.enqueue\[0\]: learning_rate is set, but the set may run with adapters"),
+    (["search_space.peft=[none, lora]", "search_space.adapter_learning_rate={low: 1.0e-4, high: "
+      "1.0e-3}", "study.enqueue=[{peft: none, adapter_learning_rate: 1.0e-4}]"],
+     r"adapter_learning_rate is set, but the set may run without adapters"),
 ])
 def test_adapter_settings_are_checked_when_the_file_is_read(tmp_path, overrides, message):
     path = write(tmp_path, study_dict(["m"], tmp_path))
@@ -228,3 +238,8 @@ def test_an_adapter_set_with_its_method_may_be_enqueued(tmp_path):
     loaded = config.load(path, ["search_space.peft=[none, lora]", "search_space.lora_r=[4, 8]",
                                 "study.enqueue=[{peft: lora, lora_r: 8}, {peft: none}]"])
     assert loaded.study.enqueue == [{"peft": "lora", "lora_r": 8}, {"peft": "none"}]
+    ranged = config.load(path, ["search_space.peft=[none, lora]",
+                                "search_space.adapter_learning_rate={low: 1.0e-4, high: 1.0e-3}",
+                                "study.enqueue=[{peft: lora, adapter_learning_rate: 5.0e-4}, "
+                                "{peft: none, learning_rate: 2.0e-5}]"])
+    assert ranged.study.enqueue[0] == {"peft": "lora", "adapter_learning_rate": 5.0e-4}

@@ -254,6 +254,7 @@ def test_a_model_trained_with_adapters_is_exported_merged_for_a_plain_pipeline(
     config = study_dict([tiny_model], small_data, epochs=2)
     config["data"]["test_fraction"] = 0.2
     config["search_space"]["peft"] = ["dora"]
+    config["search_space"]["adapter_learning_rate"] = {"low": 1e-3, "high": 2e-3}
     study_file = tmp_path / "tiny.yaml"
     study_file.write_text(yaml.safe_dump(config))
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
@@ -261,6 +262,7 @@ def test_a_model_trained_with_adapters_is_exported_merged_for_a_plain_pipeline(
                  "--n-trials", "1"]) == 0
     (trial,) = optuna.load_study(study_name="tiny", storage=storage).trials
     assert trial.params["peft"] == "dora" and trial.user_attrs["trainable_share"] < 1
+    assert "learning_rate" not in trial.params
     # The kept checkpoint is a plain model too: merged weights, no adapter files.
     (blob,) = [p for p in (tmp_path / "hpo-artifacts").rglob("*") if p.is_file()]
     names = set(zipfile.ZipFile(blob).namelist())
@@ -269,6 +271,7 @@ def test_a_model_trained_with_adapters_is_exported_merged_for_a_plain_pipeline(
     assert final(study_file, storage, "--seeds", "1", "--output", str(output)) == 0
     report = json.loads((output / "report.json").read_text())
     assert report["runs"][0]["validation"] == pytest.approx(trial.value, abs=1e-4)
+    assert report["params"]["learning_rate"] == trial.params["adapter_learning_rate"]
     assert not (output / "adapter_config.json").exists()
     assert pipeline_macro_f1(output, small_data, tmp_path) == pytest.approx(
         report["exported"]["test"]["macro_f1"], abs=1e-4)

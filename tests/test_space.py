@@ -104,6 +104,45 @@ def test_suggest_samples_inside_the_pinned_space():
         study.tell(trial, 0.0)
 
 
+def test_adapter_trials_sample_their_rate_from_the_adapter_range():
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    pinned = pin(study, space(peft=["none", "lora", "dora"], lora_r=[4, 8],
+                              adapter_learning_rate={"low": 1e-4, "high": 5e-3, "log": True}),
+                 T4)
+    methods = set()
+    for _ in range(30):
+        trial = study.ask()
+        params = suggest(trial, pinned)
+        method = params.extras["peft"]
+        methods.add(method)
+        if method == "none":
+            assert "adapter_learning_rate" not in trial.params
+            assert trial.params["learning_rate"] == params.learning_rate
+        else:
+            assert "learning_rate" not in trial.params
+            assert trial.params["adapter_learning_rate"] == params.learning_rate
+            assert 1e-4 <= params.learning_rate <= 5e-3
+        assert "adapter_learning_rate" not in params.extras
+        study.tell(trial, 0.0)
+    assert methods == {"none", "lora", "dora"}
+
+
+def test_a_space_without_an_adapter_range_samples_in_the_earlier_order():
+    def drawn(extra: dict) -> list[str]:
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        trial = study.ask()
+        suggest(trial, pin(study, space(**extra), T4))
+        return list(trial.params)
+
+    assert drawn({"peft": ["none", "lora"]}) == [
+        "model_name", "fp_precision", "target_effective_batch_size", "learning_rate",
+        "weight_decay", "peft"]
+    with_range = drawn({"peft": ["none", "lora"],
+                        "adapter_learning_rate": {"low": 1e-4, "high": 1e-3}})
+    assert with_range[3:5] == ["weight_decay", "peft"]
+    assert with_range[-1] in ("learning_rate", "adapter_learning_rate")
+
+
 def test_a_study_created_without_a_device_leaves_auto_to_its_first_worker():
     # `hpo create` on a host without the fleet's GPU ("once, anywhere").
     study = optuna.create_study(study_name="s")

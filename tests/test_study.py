@@ -264,6 +264,36 @@ def test_a_warm_start_runs_the_other_study_s_best_trials_first(tiny_study, tmp_p
     assert len(err) == 1 and "study.warm_start_from nosuch: no such study" in err[0]
 
 
+def test_a_warm_start_renames_an_adapter_trial_s_rate_to_this_space_s_name(tiny_study,
+                                                                           tmp_path):
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    from hpo.study import warm_start
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'hpo.db'}")
+    try:
+        old = optuna.create_study(study_name="old", storage=storage, direction="maximize")
+        spec = yaml.safe_load(tiny_study.read_text())["search_space"]
+        for value, peft, rate in ((0.9, "lora", 5e-4), (0.8, "none", 2e-5)):
+            params = {"model_name": spec["model_name"][0], "fp_precision": "none",
+                      "target_effective_batch_size": spec["target_effective_batch_size"][0],
+                      "learning_rate": rate, "peft": peft}
+            dists = {k: CategoricalDistribution([v]) for k, v in params.items()}
+            dists["learning_rate"] = FloatDistribution(1e-6, 1e-2, log=True)
+            old.add_trial(optuna.trial.create_trial(params=params, distributions=dists,
+                                                    value=value))
+        config = load(tiny_study, [
+            "search_space.peft=[none, lora]",
+            "search_space.learning_rate={low: 1.0e-6, high: 1.0e-3, log: true}",
+            "search_space.adapter_learning_rate={low: 1.0e-4, high: 1.0e-2, log: true}",
+            "study.warm_start_from=old"])
+        lora, full = warm_start(storage, config)
+        assert lora["adapter_learning_rate"] == 5e-4 and "learning_rate" not in lora
+        assert full["learning_rate"] == 2e-5 and "adapter_learning_rate" not in full
+    finally:
+        storage.engine.dispose()
+
+
 def spy_on(monkeypatch, module, name: str) -> dict:
     """The keyword arguments the last `module.name(...)` was made with."""
     made: dict = {}

@@ -96,6 +96,10 @@ class SearchSpace(_Section):
     lora_alpha: _Choices[Annotated[float, Field(gt=0)]] | FloatRange | None = None
     lora_alpha_ratio: _Choices[Annotated[float, Field(gt=0)]] | FloatRange | None = None
     lora_dropout: _Choices[Annotated[float, Field(ge=0, lt=1)]] | FloatRange | None = None
+    # The learning rate of trials with adapters, which want higher rates than full
+    # fine-tuning: one range would judge one of the two unfairly. Without it, every trial
+    # samples `learning_rate`.
+    adapter_learning_rate: FloatRange | None = None
 
     @field_validator("fp_precision")
     @classmethod
@@ -122,7 +126,8 @@ class SearchSpace(_Section):
 
     @model_validator(mode="after")
     def _adapters(self) -> SearchSpace:
-        searched = [name for name in ADAPTER_KEYS if getattr(self, name) is not None]
+        searched = [name for name in (*ADAPTER_KEYS, ADAPTER_RATE)
+                    if getattr(self, name) is not None]
         if searched and not set(self.peft or ()) - {"none"}:
             raise ValueError(f"{searched[0]} is searched, but peft has no lora or dora")
         if self.lora_alpha is not None and self.lora_alpha_ratio is not None:
@@ -158,6 +163,8 @@ class SearchSpace(_Section):
         if not self.by_device:
             choices["fp_precision"] = self.fp_precision
         ranges = {"learning_rate": self.learning_rate}
+        if self.adapter_learning_rate is not None:
+            ranges[ADAPTER_RATE] = self.adapter_learning_rate
         for name, dist in self.extras().items():
             (choices if isinstance(dist, list) else ranges)[name] = dist
         for key, value in params.items():
@@ -174,16 +181,25 @@ class SearchSpace(_Section):
                         f"out")
             else:
                 return f"{key} is not a parameter of the search space"
-        adapter_keys = [key for key in params if key in ADAPTER_KEYS]
+        adapter_keys = [key for key in params if key in (*ADAPTER_KEYS, ADAPTER_RATE)]
         peft = params.get("peft")
         if adapter_keys and (peft == "none" or (peft is None and "none" in (self.peft or ()))):
             return (f"{adapter_keys[0]} is set, but the set may run without adapters: give "
                     f"peft: lora or dora")
+        may_adapt = peft in ("lora", "dora") or (
+                peft is None and bool(set(self.peft or ()) - {"none"}))
+        if self.adapter_learning_rate is not None and "learning_rate" in params and may_adapt:
+            return (f"learning_rate is set, but the set may run with adapters, whose rate is "
+                    f"{ADAPTER_RATE}: give peft: none, or {ADAPTER_RATE} with peft: lora "
+                    f"or dora")
         return None
 
 
 # The adapter settings a trial with `peft` lora or dora samples (none: not sampled).
 ADAPTER_KEYS = ("lora_r", "lora_alpha", "lora_alpha_ratio", "lora_dropout")
+# The parameter that holds the learning rate of a trial with adapters, where the space
+# gives adapters a range of their own.
+ADAPTER_RATE = "adapter_learning_rate"
 
 
 class SamplerConfig(_Section):

@@ -20,7 +20,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import adapters, memory, metrics
-from hpo.config import TrainingConfig
+from hpo.config import ADAPTER_RATE, TrainingConfig
 from hpo.data import token_cache
 from hpo.data.batching import Encoded
 from hpo.data.splits import Splits
@@ -36,7 +36,8 @@ from hpo.space import Params
 from hpo.study import StudyBatchCache
 from hpo.train import Plan, loss_pos_weight, predict, prepare, train
 
-SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate")
+SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate",
+            ADAPTER_RATE)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def recipe(study: optuna.Study, number: int | None, defaults: TrainingConfig) ->
         value=float(trial.value),
         params=Params(params["model_name"], params["fp_precision"],
                       int(params["target_effective_batch_size"]),
-                      float(params["learning_rate"]), extras),
+                      float(params.get(ADAPTER_RATE, params.get("learning_rate"))), extras),
         training=training,
         value_epoch=int(trial.user_attrs.get("value_epoch", training.epochs)),
     )

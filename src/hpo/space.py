@@ -11,6 +11,7 @@ import optuna
 
 from hpo.config import (
     ADAPTER_KEYS,
+    ADAPTER_RATE,
     BY_DEVICE,
     PRECISIONS,
     FloatRange,
@@ -171,17 +172,23 @@ def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def suggest(trial: optuna.Trial, pinned: PinnedSpace) -> Params:
+    """One trial's parameters. With `adapter_learning_rate` the extras, `peft` among them,
+    are sampled before the rate, which then comes from the range of the trial's method;
+    without it the order is the one earlier releases sampled in, so a seeded study repeats."""
     space = SearchSpace.model_validate(pinned.declared)
-    params = Params(
-        model_name=trial.suggest_categorical("model_name", space.model_name),
-        fp_precision=trial.suggest_categorical("fp_precision", list(pinned.fp_precision)),
-        target_effective_batch_size=trial.suggest_categorical(
-            "target_effective_batch_size", space.target_effective_batch_size
-        ),
-        learning_rate=_suggest(trial, "learning_rate", space.learning_rate),
-        extras=_extras(trial, space),
-    )
-    return params
+    model_name = trial.suggest_categorical("model_name", space.model_name)
+    fp_precision = trial.suggest_categorical("fp_precision", list(pinned.fp_precision))
+    batch = trial.suggest_categorical("target_effective_batch_size",
+                                      space.target_effective_batch_size)
+    if space.adapter_learning_rate is None:
+        rate = _suggest(trial, "learning_rate", space.learning_rate)
+        extras = _extras(trial, space)
+    else:
+        extras = _extras(trial, space)
+        adapted = extras.get("peft", "none") != "none"
+        rate = (_suggest(trial, ADAPTER_RATE, space.adapter_learning_rate) if adapted
+                else _suggest(trial, "learning_rate", space.learning_rate))
+    return Params(model_name, fp_precision, batch, rate, extras)
 
 
 def _extras(trial: optuna.Trial, space: SearchSpace) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hpo import budget
-from hpo.config import StudyConfig
+from hpo.config import ADAPTER_RATE, SearchSpace, StudyConfig
 from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
@@ -121,7 +121,7 @@ def warm_start(storage: ResilientRDBStorage, config: StudyConfig) -> list[dict]:
                   key=lambda t: (-t.value, t.number))
     chosen = []
     for trial in best:
-        params = dict(trial.params)
+        params = _rate_renamed(dict(trial.params), space)
         if space.by_device:
             params.pop("fp_precision", None)
         if space.rejects(params) is None and params not in chosen:
@@ -129,6 +129,18 @@ def warm_start(storage: ResilientRDBStorage, config: StudyConfig) -> list[dict]:
         if len(chosen) == config.study.warm_start_trials:
             break
     return chosen
+
+
+def _rate_renamed(params: dict, space: SearchSpace) -> dict:
+    """An adapter trial's rate under the name this space samples it by: the other study may
+    have given adapters a range of their own (`adapter_learning_rate`) or not."""
+    if params.get("peft", "none") == "none":
+        return params
+    name, other = ((ADAPTER_RATE, "learning_rate") if space.adapter_learning_rate is not None
+                   else ("learning_rate", ADAPTER_RATE))
+    if other in params:
+        params[name] = params.pop(other)
+    return params
 
 
 SPLITS = "data_splits"
