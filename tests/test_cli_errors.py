@@ -35,6 +35,7 @@ def check_bad_input(result: subprocess.CompletedProcess, *fragments: str) -> Non
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hpo: error: "), lines[0]  # one prefix for every bad input
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in lines[0]
@@ -59,7 +60,21 @@ def test_unknown_key_is_named(study_file):
 
 @pytest.mark.parametrize("n", ["0", "-1", "many"])
 def test_bad_n_trials(study_file, n):
-    check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", n), "--n-trials")
+    check_bad_input(hpo("run", "--config", str(study_file()), "--n-trials", n),
+                    "hpo: error: run: argument --n-trials")
+
+
+def test_usage_errors_share_the_prefix_of_every_other_error():
+    check_bad_input(hpo("run", "--study", "demo"), "hpo: error: run: give --n-trials")
+    check_bad_input(hpo("nosuch"), "hpo: error: argument command: invalid choice")
+
+
+def test_help_lists_every_exit_code_and_every_option_says_what_it_does():
+    top = hpo("--help").stdout
+    for code in ("0 done", "1 unexpected", "2 bad input", "130 interrupted", "143 terminated"):
+        assert code in " ".join(top.split())
+    run = hpo("run", "--help").stdout
+    assert "--debug" in run and "show the traceback" in run
 
 
 def test_missing_data(study_file, tmp_path):

@@ -26,13 +26,15 @@ EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
 class UsageError(ValueError):
-    pass
+    """A command line that cannot run; the message names the command (`run: ...`)."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
-        # argparse prints the whole usage block; one line naming the problem is enough.
-        raise UsageError(f"{self.prog}: {message}")
+        # argparse prints the whole usage block; one line naming the problem is enough, with
+        # the prefix every other error has.
+        command = self.prog.removeprefix("hpo").strip()
+        raise UsageError(f"{command}: {message}" if command else message)
 
 
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
@@ -84,13 +86,15 @@ examples:
   hpo best --study demo                  the best trial's settings, to train it again
   hpo dashboard                          optuna-dashboard on http://127.0.0.1:8080/dashboard
 
-`hpo COMMAND --help` tells more. Exit codes: 0 done, 1 unexpected error, 2 bad input."""
+`hpo COMMAND --help` tells more. Exit codes: 0 done; 1 unexpected error; 2 bad input (one
+line naming it); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), the running trial
+re-queued at once."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpo", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("run", help="join (or create) a study and run trials")
@@ -159,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="timed training steps per precision")
     for command in (run, create, check, status, best, final, studies, delete, dashboard,
                     hardware):
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error")
     return parser
 
 
@@ -195,7 +200,7 @@ def command_check(args: argparse.Namespace) -> int:
 
 def command_run(args: argparse.Namespace) -> int:
     if args.n_trials is None and args.timeout is None:
-        raise UsageError("hpo run: give --n-trials, --timeout or both")
+        raise UsageError("run: give --n-trials, --timeout or both")
     try:
         commands.run(_ref(args), n_trials=args.n_trials, timeout=args.timeout,
                      skip_check=args.skip_check)
@@ -217,7 +222,7 @@ def command_best(args: argparse.Namespace) -> int:
 
 def command_final(args: argparse.Namespace) -> int:
     if args.refit and args.thresholds == "tuned":
-        raise UsageError("hpo final: --thresholds tuned needs the validation split, which "
+        raise UsageError("final: --thresholds tuned needs the validation split, which "
                          "--refit trains on; use --thresholds 0.5")
     commands.final(_ref(args), trial=args.trial, seeds=args.seeds, refit=args.refit,
                    tuned=not args.refit and args.thresholds != "0.5", output=args.output)
@@ -238,8 +243,9 @@ def _confirm(question: str) -> bool:
 
 
 def command_delete(args: argparse.Namespace) -> int:
-    deleted = commands.delete(_ref(args), (lambda _question: True) if args.yes else _confirm)
-    return EXIT_OK if deleted else EXIT_UNEXPECTED
+    # A declined prompt is a choice, not an error: exit 0, having said the study was kept.
+    commands.delete(_ref(args), (lambda _question: True) if args.yes else _confirm)
+    return EXIT_OK
 
 
 def command_dashboard(args: argparse.Namespace) -> int:
@@ -292,7 +298,7 @@ def _main(argv: list[str]) -> int:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except UsageError as exc:
-        print(f"{exc}", file=sys.stderr)
+        print(f"hpo: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BAD_INPUT as exc:
         if debug:

@@ -158,9 +158,9 @@ def studies(ref: StudyRef, fmt: str) -> None:
     print(summary.render_studies(summary.studies(opened), url, fmt))
 
 
-def delete(ref: StudyRef, confirm: Callable[[str], bool]) -> bool:
+def delete(ref: StudyRef, confirm: Callable[[str], bool]) -> None:
     """Delete the study, its trials and its kept models, once `confirm` agrees to the
-    question it is asked; returns whether it did."""
+    question it is asked."""
     import optuna
 
     from hpo import artifacts
@@ -172,13 +172,12 @@ def delete(ref: StudyRef, confirm: Callable[[str], bool]) -> bool:
     what = f"study '{name}' with {len(study.get_trials(deepcopy=False))} trials in {redact(url)}"
     if not confirm(f"delete {what}? [y/N] "):
         print(f"hpo: {what} kept")
-        return False
+        return
     where = artifact_location(ref, url)
     store = artifacts.open_existing(where)
     removed = 0 if store is None else artifacts.remove_all(study, opened, store)
     optuna.delete_study(study_name=name, storage=opened)
     print(f"deleted {what}" + (f" and its {removed} kept model(s) in {where}" if removed else ""))
-    return True
 
 
 def dashboard(ref: StudyRef, *, host: str, port: int, artifacts_at: str | None,

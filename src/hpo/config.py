@@ -23,12 +23,18 @@ STUDIES_DIR = Path("configs/studies")
 # The shipped study files, installed with the package (a link to configs/studies in the
 # repository), so `--study demo` works from any directory.
 PACKAGED_STUDIES = Path(__file__).parent / "studies"
+# The demo's data and tiny model, installed with the package (a link to data/demo in the
+# repository), so the demo runs from any directory and from a wheel.
+DEMO_DIR = Path("data/demo")
+PACKAGED_DEMO = Path(__file__).parent / "demo"
 PRECISIONS = ("fp16", "bf16", "none")
 T = TypeVar("T")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Each field's docstring is its description, which the study-file reference in the docs
+    # is generated from (scripts/study_reference.py): a key without one fails a test.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 def _check_range(low: float, high: float, log: bool) -> None:
@@ -40,8 +46,11 @@ def _check_range(low: float, high: float, log: bool) -> None:
 
 class FloatRange(_Section):
     low: float
+    """The smallest value sampled."""
     high: float
+    """The largest value sampled."""
     log: bool = False
+    """Sample on a log scale (for rates spanning orders of magnitude; needs low > 0)."""
 
     @model_validator(mode="after")
     def _ordered(self) -> FloatRange:
@@ -51,9 +60,13 @@ class FloatRange(_Section):
 
 class IntRange(_Section):
     low: int
+    """The smallest value sampled."""
     high: int
+    """The largest value sampled."""
     log: bool = False
+    """Sample on a log scale (needs low > 0, step 1)."""
     step: Annotated[int, Field(ge=1)] = 1
+    """The spacing of the values sampled."""
 
     @model_validator(mode="after")
     def _ordered(self) -> IntRange:
@@ -80,26 +93,42 @@ BY_DEVICE = ("auto", "native")
 
 class SearchSpace(_Section):
     model_name: Annotated[list[str], Field(min_length=1)]
+    """The models searched: hub ids or local model directories."""
     fp_precision: str | list[str] = "auto"
+    """`auto`: the precisions the device runs natively whose training step the check measured
+    within `study.precision_tolerance` of the fastest's, summed over the models, decided once
+    for the study by its first worker; `native`: every natively run one; or a list of
+    `fp16`, `bf16`, `none` (fp32), each of which must be native."""
     target_effective_batch_size: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+    """The effective batch sizes searched: samples per optimizer step, made exact by
+    gradient accumulation over the largest physical batch that fits."""
     learning_rate: FloatRange
+    """The learning rate's range (for trials with adapters too, unless
+    `adapter_learning_rate` gives them their own)."""
     # Extra parameters: each replaces the training setting of the same name for the trial.
     weight_decay: FloatRange | None = None
+    """Searched instead of `training.weight_decay`."""
     warmup_ratio: FloatRange | None = None
+    """Searched instead of `training.warmup_ratio`."""
     max_grad_norm: FloatRange | None = None
+    """Searched instead of `training.max_grad_norm`."""
     epochs: IntRange | None = None
-    # Adapters on the frozen pretrained body (peft's LoRA or DoRA; the head trains whole):
-    # `peft` choices, and for a trial with adapters its rank, alpha (or alpha as a ratio to
-    # the rank) and dropout, each a list of choices or a range.
+    """Searched instead of `training.epochs`."""
     peft: Annotated[list[Literal["none", "lora", "dora"]], Field(min_length=1)] | None = None
+    """Fine-tuning methods searched: `none` (the whole model), `lora`, `dora` (peft's
+    adapters on the frozen pretrained body; the head trains whole)."""
     lora_r: _Choices[Annotated[int, Field(ge=1)]] | IntRange | None = None
+    """Adapter rank; sampled only by trials with adapters."""
     lora_alpha: _Choices[Annotated[float, Field(gt=0)]] | FloatRange | None = None
+    """Adapter alpha; sampled only by trials with adapters."""
     lora_alpha_ratio: _Choices[Annotated[float, Field(gt=0)]] | FloatRange | None = None
+    """Adapter alpha as a multiple of the rank (instead of `lora_alpha`)."""
     lora_dropout: _Choices[Annotated[float, Field(ge=0, lt=1)]] | FloatRange | None = None
-    # The learning rate of trials with adapters, which want higher rates than full
-    # fine-tuning: one range would judge one of the two unfairly. Without it, every trial
-    # samples `learning_rate`.
+    """Adapter dropout; sampled only by trials with adapters."""
     adapter_learning_rate: FloatRange | None = None
+    """The learning rate's range for trials with adapters, which want higher rates than full
+    fine-tuning (one range judges one of the two unfairly); `learning_rate` is then sampled
+    only by trials without. Needs `peft` with lora or dora."""
 
     @field_validator("fp_precision")
     @classmethod
@@ -204,14 +233,20 @@ ADAPTER_RATE = "adapter_learning_rate"
 
 class SamplerConfig(_Section):
     name: Literal["tpe", "random"] = "tpe"
+    """Optuna's sampler: `tpe` or `random`."""
     seed: int | None = None
+    """Seeds the sampler per trial number: a run repeats, and two workers never draw the
+    same values."""
     n_startup_trials: Annotated[int, Field(ge=0)] = 10
-    # TPE: model the parameters jointly; `group` splits the space by which parameters a trial
-    # has (needs multivariate); `constant_liar` counts running trials as poor results so
-    # workers sampling at once do not all pick the same promising region.
+    """TPE: random trials before it models the results."""
     multivariate: bool = True
+    """TPE: model the parameters jointly rather than one by one."""
     group: bool = False
+    """TPE: model apart the groups of parameters that occur together (trials with and
+    without adapters); needs `multivariate`."""
     constant_liar: bool = True
+    """TPE: count the trials other workers are running as poor results, so workers sampling
+    at once do not all pick the same promising region."""
 
     @model_validator(mode="after")
     def _group(self) -> SamplerConfig:
@@ -222,44 +257,59 @@ class SamplerConfig(_Section):
 
 class PrunerConfig(_Section):
     name: Literal["median", "successive_halving", "hyperband", "none"] = "median"
-    # median: judged from the n_startup_trials-th finished trial on, after n_warmup_steps.
+    """Optuna's pruner, asked after each epoch (each fold under `data.cv_folds`): `median`,
+    `successive_halving`, `hyperband` or `none`."""
     n_startup_trials: Annotated[int, Field(ge=0)] = 5
+    """median: no pruning until this many trials have finished."""
     n_warmup_steps: Annotated[int, Field(ge=0)] = 1
-    # successive_halving and hyperband: the resource is the epoch (the fold under
-    # cv_folds); a trial goes on past min_resource x reduction_factor^k epochs only if it
-    # ranks in the top 1/reduction_factor of the trials that reached that epoch.
+    """median: no trial is pruned before it has reported this many epochs."""
     min_resource: Annotated[int, Field(ge=1)] = 1
+    """successive_halving, hyperband: epochs (folds) before the first decision; a trial
+    goes on past min_resource x reduction_factor^k epochs only if it ranks in the top
+    1/reduction_factor of the trials that reached that epoch."""
     reduction_factor: Annotated[int, Field(ge=2)] = 3
+    """successive_halving, hyperband: the share (1/reduction_factor) kept at each rung."""
 
 
 class StudySection(_Section):
     name: str | None = None
+    """The study's name in the storage; default: the study file's stem."""
     storage: str | None = None
+    """The storage URL, used where neither `--storage` nor `HPO_STORAGE` gives one; default
+    `sqlite:///hpo.db`."""
     objective: Literal["macro_f1", "micro_f1"] = "macro_f1"
-    # A trial's value: its best epoch's score (the epoch is recorded) or its last epoch's.
+    """The validation score maximized: `macro_f1` or `micro_f1` over the labels."""
     objective_epoch: Literal["best", "last"] = "best"
-    # A worker stops after this many FAILed trials in a row instead of burning the budget.
+    """A trial's value: its best epoch's score (the epoch is recorded as `value_epoch`) or
+    its last epoch's."""
     max_consecutive_failures: Annotated[int, Field(ge=1)] = 3
-    # A running trial beats every heartbeat_interval seconds; one silent for grace_period is
-    # failed and re-queued, at most max_retry times.
+    """A worker stops (exit 1) after this many FAILed trials in a row instead of burning
+    the budget."""
     heartbeat_interval: Annotated[int, Field(ge=1)] = 30
+    """Seconds between a running trial's heartbeats (fixed in the study when created)."""
     grace_period: Annotated[int, Field(ge=1)] = 120
+    """Seconds of silence after which any worker fails a running trial and re-queues it;
+    must exceed `heartbeat_interval`."""
     max_retry: Annotated[int, Field(ge=0)] = 2
-    # Parameter sets run first, once for the whole fleet (Optuna's enqueue_trial): known-good
-    # starting points; parameters left out are sampled.
+    """How many times a trial whose worker went silent is run again."""
     enqueue: list[dict[str, Any]] = []
-    # Another study in the same storage whose best COMPLETE trials are enqueued first.
+    """Parameter sets run first, once for the whole fleet (known-good starting points;
+    parameters left out are sampled); each must be a point of the search space."""
     warm_start_from: str | None = None
+    """Another study in the same storage whose best COMPLETE trials are enqueued first."""
     warm_start_trials: Annotated[int, Field(ge=1)] = 5
-    # The weights of the study's best K COMPLETE trials are kept in the artifact store: a
-    # directory (a shared volume for a fleet) or s3://BUCKET; by default a directory beside
-    # a SQLite storage file, and none for a server storage.
+    """How many of `warm_start_from`'s best trials are enqueued."""
     keep_best: Annotated[int, Field(ge=0)] = 1
+    """The models of the study's best K COMPLETE trials are kept in the artifact store
+    (0: none)."""
     artifacts: str | None = None
-    # With `fp_precision: auto`, a native precision is searched only if the check measured
-    # its training step, summed over the models, within this fraction of the fastest
-    # precision's: a slower one would spend the budget on trials no better for it.
+    """The artifact store of kept models: a directory (a shared volume for a fleet) or
+    `s3://BUCKET`; default a directory beside a SQLite storage file (`hpo.db` ->
+    `hpo-artifacts/`), none for a server storage."""
     precision_tolerance: Annotated[float, Field(ge=0)] = 0.1
+    """With `fp_precision: auto`, a native precision is searched only if its training step,
+    summed over the models, took within this fraction of the fastest precision's: a slower
+    one would spend the budget on trials no better for it."""
 
     @model_validator(mode="after")
     def _grace(self) -> StudySection:
@@ -270,20 +320,33 @@ class StudySection(_Section):
             )
         return self
     sampler: SamplerConfig = SamplerConfig()
+    """Optuna's sampler and its settings."""
     pruner: PrunerConfig = PrunerConfig()
+    """Optuna's pruner and its settings."""
 
 
 class DataConfig(_Section):
     dir: str
+    """The directory holding `redsm5_posts.csv` and `redsm5_annotations.csv`; a relative
+    path is read from the working directory (the demo's from the package where it is not
+    there)."""
     task: Literal["multilabel", "nli_pairs"] = "multilabel"
+    """`multilabel`: one example per post with a label per symptom; `nli_pairs`: one (post,
+    criterion description) pair per label, answered yes or no."""
     special_case: bool = False
+    """Add ReDSM5's SPECIAL_CASE annotation as a tenth label."""
     validation_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.15
+    """The share of posts the trials are scored on."""
     test_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.15
+    """The share of posts held out for `hpo final`; no trial reads them."""
     split_seed: int = 13
+    """Seeds the split of posts (and of folds)."""
     max_length: Annotated[int, Field(ge=8, le=8192)] = 512
-    # K-fold cross-validation by post over the training and validation posts (the test split
-    # stays out): a trial's value is the mean over its folds. None: one validation split.
+    """Tokens per post; longer ones are cut."""
     cv_folds: Annotated[int, Field(ge=2, le=20)] | None = None
+    """K-fold cross-validation by post over the training and validation posts (the test
+    split stays out): a trial's value is the mean over its K folds. Default: one
+    validation split."""
 
     @model_validator(mode="after")
     def _fractions(self) -> DataConfig:
@@ -294,32 +357,49 @@ class DataConfig(_Section):
 
 class TrainingConfig(_Section):
     epochs: Annotated[int, Field(ge=1)] = 3
+    """Training epochs of a trial; the pruner is asked after each."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.01
+    """AdamW's weight decay."""
     warmup_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """The share of optimizer steps the learning rate warms up over (then decays linearly)."""
     max_grad_norm: Annotated[float, Field(gt=0)] = 1.0
-    # balanced: each label's positives weigh negatives/positives in the loss. Rare symptoms
-    # otherwise sit below the 0.5 threshold for most of a short fine-tuning run.
+    """Gradients are clipped to this norm."""
     pos_weight: Literal["balanced", "none"] = "balanced"
+    """`balanced`: each label's positives weigh negatives/positives in the loss (rare
+    symptoms otherwise sit below the 0.5 threshold for most of a short run); `none`."""
     max_physical_batch_size: Annotated[int, Field(ge=1)] = 256
+    """The largest physical batch the batch search tries."""
     safety_margin: Annotated[float, Field(gt=0, le=1)] = 0.9
+    """The share of the largest batch that survived a step which trials use."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, a larger batch, slower steps."""
     compile: bool = False
+    """Run each model through `torch.compile` (inductor, dynamic shapes); a model the
+    compiler fails on trains eagerly, with a warning."""
     seed: int = 42
+    """Seeds a trial's model head, dropout and batch order."""
     device: str = "auto"
-    # Each trial in a fresh child process: a library that leaks cannot poison the next trial.
+    """`auto` (the GPU if there is one), `cpu`, `cuda` or `cuda:N`."""
     isolate_trials: bool = False
-    # Adapters (peft), where the search space does not sample them: the method, its rank,
-    # alpha (None: lora_alpha_ratio x rank) and dropout; the modules adapted (None: every
-    # linear layer of the pretrained body, whatever the architecture names them); and the
-    # body's weights in bfloat16 for adapter trials in bf16 (they stay frozen; the adapters
-    # and the head train in float32), which halves the body's memory.
+    """Run each trial in a fresh child process: a library that leaks cannot poison the next
+    trial, and memory stays exactly flat."""
     peft: Literal["none", "lora", "dora"] = "none"
+    """The fine-tuning method where the search space does not sample one: `none` (the whole
+    model), `lora` or `dora`."""
     lora_r: Annotated[int, Field(ge=1)] = 8
+    """Adapter rank, where the search space does not sample one."""
     lora_alpha: Annotated[float, Field(gt=0)] | None = None
+    """Adapter alpha; default `lora_alpha_ratio` x rank."""
     lora_alpha_ratio: Annotated[float, Field(gt=0)] = 2.0
+    """Adapter alpha as a multiple of the rank, where `lora_alpha` is not set."""
     lora_dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    """Adapter dropout."""
     lora_target_modules: Annotated[list[str], Field(min_length=1)] | None = None
+    """The modules given adapters; default every linear layer of the pretrained body,
+    whatever the architecture names them."""
     base_dtype: Literal["float32", "bfloat16"] = "float32"
+    """`bfloat16`: the frozen body of bf16 adapter trials is stored in bf16 (the adapters and
+    the head train in float32), halving its memory; refused where bf16 is emulated."""
 
     def adapter_alpha(self) -> float:
         return self.lora_alpha if self.lora_alpha is not None else (
@@ -328,9 +408,14 @@ class TrainingConfig(_Section):
 
 class StudyConfig(_Section):
     study: StudySection = StudySection()
+    """The study: its name, storage, objective, fleet settings, sampler and pruner."""
     data: DataConfig
+    """The posts, their task and their split."""
     search_space: SearchSpace
+    """The parameters each trial samples."""
     training: TrainingConfig = TrainingConfig()
+    """The settings every trial trains with; a search-space key of the same name replaces
+    one."""
 
     @model_validator(mode="after")
     def _enqueued(self) -> StudyConfig:
@@ -375,6 +460,16 @@ class StudyConfig(_Section):
         if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"training.device must be auto, cpu, cuda or cuda:N, got {device!r}")
         return self
+
+
+def local_path(path: str | Path) -> Path:
+    """Where a study file's relative path under data/demo is read from: the working directory
+    if it holds it, else the copy installed with hpo."""
+    path = Path(path)
+    if path.exists() or path.is_absolute() or not path.is_relative_to(DEMO_DIR):
+        return path
+    packaged = PACKAGED_DEMO / path.relative_to(DEMO_DIR)
+    return packaged if packaged.exists() else path
 
 
 def find_study(name: str) -> Path | None:

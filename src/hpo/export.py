@@ -4,6 +4,7 @@ report beside it (report.json) and a model card (README.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from hpo import adapters
-from hpo.config import TrainingConfig
+from hpo.config import TrainingConfig, local_path
 from hpo.errors import ConfigError
 from hpo.models import resolve
 
@@ -24,13 +25,14 @@ CARD = "README.md"
 def check_output(directory: Path) -> None:
     """Fail before any training if the model cannot be written where asked: a directory that
     cannot be created or written, or one that holds something other than an earlier export
-    (which `write` replaces)."""
+    (which `write` replaces). Creates nothing: an interrupted run must leave no directory
+    that looks like a model."""
     if directory.exists() and any(directory.iterdir()) and not (directory / REPORT).is_file():
         raise ConfigError(f"--output {directory}: not empty and not an earlier hpo final "
                           f"export; choose another directory")
-    probe = directory.parent / f".{directory.name}.hpo-write-check"
+    existing = next(p for p in directory.absolute().parents if p.exists())
+    probe = existing / f".{directory.name}.hpo-write-check"
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
@@ -41,16 +43,28 @@ def check_output(directory: Path) -> None:
 def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
           label_names: tuple[str, ...]) -> None:
     """The final model with its report and model card, written beside `directory` and then
-    put in its place: an earlier export is replaced whole, never mixed with this one."""
+    put in its place: an earlier export is replaced whole, never mixed with this one. A
+    failure or an interrupt on the way leaves neither the partial copy nor a directory
+    created for it."""
+    created = [p for p in (directory.absolute().parent, *directory.absolute().parents)
+               if not p.exists()]
     partial = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    save_model(partial, model, report["params"]["model_name"], label_names,
-               task=report["data"]["task"], max_length=report["data"]["max_length"],
-               thresholds=report["exported"]["thresholds"])
-    (partial / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    (partial / CARD).write_text(model_card(report))
-    shutil.rmtree(directory, ignore_errors=True)
-    partial.rename(directory)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        save_model(partial, model, report["params"]["model_name"], label_names,
+                   task=report["data"]["task"], max_length=report["data"]["max_length"],
+                   thresholds=report["exported"]["thresholds"])
+        (partial / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        (partial / CARD).write_text(model_card(report))
+        shutil.rmtree(directory, ignore_errors=True)
+        partial.rename(directory)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        for parent in created:  # deepest first
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        raise
 
 
 def save_model(directory: Path, model: torch.nn.Module, model_name: str,
@@ -92,7 +106,7 @@ def model_card(report: dict[str, Any]) -> str:
     posts = data["posts"]
     spread = report["seed_spread"]["test_" + objective]
     model_name = params["model_name"]
-    base = f"base_model: {model_name}\n" if not Path(model_name).exists() else ""
+    base = f"base_model: {model_name}\n" if not local_path(model_name).exists() else ""
     intervals = exported["test_interval_95"]
     rows = "\n".join(
         f"| {name} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "

