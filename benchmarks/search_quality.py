@@ -197,34 +197,37 @@ def measure(args: argparse.Namespace) -> dict:
                 record = run.record("default", args.n_trials)
                 record["trial_budget_wall"] = run.wall
                 save(record)
-        longest = max((_done(results, tool, seed)["trial_budget_wall"] for tool in PEERS
-                       if _done(results, tool, seed)), default=0.0)
         ours = _done(results, "hpo", seed)
-        if ours is not None and sum(ours["walls"]) >= longest:
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            run = Run("hpo", seed, [], Path(tmp))
-            run.go(n_trials=args.n_trials)
-            budget_wall = run.wall
-            print(f"seed {seed} hpo: {args.n_trials} trials in {run.wall:.0f}s", flush=True)
-            if run.wall < longest:
-                run.go(timeout=longest - run.wall)
-                print(f"seed {seed} hpo: extended to {run.wall:.0f}s", flush=True)
-            record = run.record("default", args.n_trials)
-            record["trial_budget_wall"] = budget_wall
-            save(record)
+        if ours is None or sum(ours["walls"]) < longest_peer(results, seed):
+            save(run_hpo(seed, "default", [], args.n_trials, longest_peer(results, seed)))
     for label, overrides in args.variants:
         for seed in args.seeds:
-            if _done(results, "hpo", seed, label):
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                run = Run("hpo", seed, overrides, Path(tmp))
-                run.go(n_trials=args.n_trials)
-                print(f"seed {seed} hpo {label}: {run.wall:.0f}s", flush=True)
-                record = run.record(label, args.n_trials)
-                record["trial_budget_wall"] = run.wall
-                save(record)
+            if not _done(results, "hpo", seed, label):
+                save(run_hpo(seed, label, overrides, args.n_trials,
+                             longest_peer(results, seed)))
     return results
+
+
+def longest_peer(results: dict, seed: int) -> float:
+    return max((_done(results, tool, seed)["trial_budget_wall"] for tool in PEERS
+                if _done(results, tool, seed)), default=0.0)
+
+
+def run_hpo(seed: int, label: str, overrides: list[str], n_trials: int,
+            longest: float) -> dict:
+    """hpo for `n_trials`, then on the same study until it has run as long as the slowest
+    peer: a setting is read at every peer's wall time, as the defaults are."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Run("hpo", seed, overrides, Path(tmp))
+        run.go(n_trials=n_trials)
+        budget_wall = run.wall
+        print(f"seed {seed} hpo {label}: {n_trials} trials in {run.wall:.0f}s", flush=True)
+        if run.wall < longest:
+            run.go(timeout=longest - run.wall)
+            print(f"seed {seed} hpo {label}: extended to {run.wall:.0f}s", flush=True)
+        record = run.record(label, n_trials)
+        record["trial_budget_wall"] = budget_wall
+        return record
 
 
 def versions() -> dict[str, str]:
@@ -256,6 +259,17 @@ def wasted_share(trials: list[dict]) -> float:
     spent = sum(t["end"] - t["start"] for t in trials)
     lost = sum(t["end"] - t["start"] for t in trials if t["state"] != "COMPLETE")
     return lost / spent if spent else 0.0
+
+
+def against(ours: dict, peer: dict, n: int) -> tuple[bool, float]:
+    """G1's and G2's reading of one seed: whether hpo's best at the peer's wall for its
+    trials is at least the peer's best, and when hpo reached that best, as a share of that
+    wall (inf: never)."""
+    wall = peer["trial_budget_wall"]
+    final = best_by(first_n(peer["trials"], n), float("inf")) or 0.0
+    at = reached(ours["trials"], final)
+    return (best_by(ours["trials"], wall) or 0.0) >= final, (
+        at / wall if at is not None else float("inf"))
 
 
 def shown(best: float | None) -> str:
@@ -306,8 +320,9 @@ def render(results: dict, plot: Path) -> str:
                 ours_then = f"{shown(then)}{short}"
                 at = reached(ours["trials"], final) if final is not None else None
                 reach = f"{at:.0f} s ({at / wall:.0%})" if at is not None else "never"
-                goals[tool][0].append((then or 0) >= (final or 0))
-                goals[tool][1].append(at / wall if at is not None else float("inf"))
+                win, ratio = against(ours, record, n)
+                goals[tool][0].append(win)
+                goals[tool][1].append(ratio)
             lines.append(f"| {NAMES[tool]} | {wall:.0f} s | {shown(final)} | "
                          f"{wasted_share(own):.0%} | {ours_then} | {reach} |")
         lines.append("")
@@ -329,25 +344,30 @@ def render(results: dict, plot: Path) -> str:
     variants = [r for r in mine if r["tool"] == "hpo"]
     labels = list(dict.fromkeys(r["label"] for r in variants))
     if len(labels) > 1:
-        lines += ["hpo's settings, each against the study file's defaults (trial budget):", "",
-                  "| setting | overrides | best per seed | mean best | mean wall | "
-                  "pruned + failed compute | mean time to the defaults' mean best |",
-                  "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
-        base = statistics.mean(best_by(first_n(r["trials"], n), float("inf")) or 0
-                               for r in variants if r["label"] == "default")
+        lines += ["hpo's settings, each run as the defaults are (the trial budget, then on to "
+                  "the slowest peer's wall time), on the seeds each ran:", "",
+                  "| setting | overrides | seeds | best after the trial budget | pruned + "
+                  "failed compute | " + " | ".join(
+                      f"vs {t}: G1 wins, G2 median" for t in peers) + " |",
+                  "| --- | --- | --- | ---: | ---: |" + " ---: |" * len(peers)]
         for label in labels:
             chosen = sorted((r for r in variants if r["label"] == label),
                             key=lambda r: r["seed"])
             bests = [best_by(first_n(r["trials"], n), float("inf")) or 0 for r in chosen]
-            times = [reached(first_n(r["trials"], n), base) for r in chosen]
-            reach = (f"{statistics.mean(times):.0f} s" if all(t is not None for t in times)
-                     else f"{sum(t is not None for t in times)} of {len(times)} seeds reach it")
+            cells = []
+            for tool in peers:
+                pairs = [against(r, default[(tool, r["seed"])], n) for r in chosen
+                         if (tool, r["seed"]) in default]
+                median = statistics.median(ratio for _, ratio in pairs) if pairs else None
+                cells.append(f"{sum(win for win, _ in pairs)} of {len(pairs)}, "
+                             + ("-" if median is None else "never" if median == float("inf")
+                                else f"{median:.0%}"))
             lines.append(
                 f"| {label} | {'; '.join(chosen[0]['overrides']) or '-'} | "
-                f"{' / '.join(f'{b:.4f}' for b in bests)} | {statistics.mean(bests):.4f} | "
-                f"{statistics.mean(r['trial_budget_wall'] for r in chosen):.0f} s | "
+                f"{', '.join(str(r['seed']) for r in chosen)} | "
+                f"{' / '.join(f'{b:.4f}' for b in bests)} | "
                 f"{statistics.mean(wasted_share(first_n(r['trials'], n)) for r in chosen):.0%} | "
-                f"{reach} |")
+                + " | ".join(cells) + " |")
         lines.append("")
     others = sorted({r["machine"] for r in runs} - {machine})
     if others:

@@ -54,7 +54,7 @@ def _postgres_up() -> bool:
 
 def require_postgres() -> None:
     require(_postgres_up(), "PostgreSQL is not reachable at 127.0.0.1:5432: start it, with "
-            "trust auth for local connections (README, Tests)")
+            "trust auth for local connections (docs/testing.md)")
 
 
 def require_command(name: str, package: str) -> str:

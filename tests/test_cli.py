@@ -7,6 +7,7 @@ import sys
 
 import optuna
 import pytest
+import yaml
 from conftest import REPO, require
 from optuna.trial import TrialState
 
@@ -97,6 +98,25 @@ def test_delete_yes_asks_nothing(tiny_study, storage, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["studies", "--storage", storage]) == 0
     assert capsys.readouterr().out == f"no studies in {storage}\n"
+
+
+def test_every_command_finds_a_study_by_the_name_its_file_gives(tiny_study, storage,
+                                                                tmp_path, monkeypatch, capsys):
+    studies = tmp_path / "configs" / "studies"
+    studies.mkdir(parents=True)
+    spec = yaml.safe_load(tiny_study.read_text())
+    spec["study"]["name"] = "renamed"
+    (studies / "mine.yaml").write_text(yaml.safe_dump(spec))
+    monkeypatch.chdir(tmp_path)
+    mine = ["--study", "mine", "--storage", storage]
+    assert main(["create", *mine, "--skip-check"]) == 0
+    assert optuna.load_study(study_name="renamed", storage=storage)
+    capsys.readouterr()
+    assert main(["status", *mine]) == 0 and "renamed" in capsys.readouterr().out
+    assert main(["best", *mine]) == 2
+    assert "study 'renamed' has no completed trial yet" in capsys.readouterr().err
+    assert main(["delete", *mine, "--yes"]) == 0
+    assert "deleted study 'renamed'" in capsys.readouterr().out
 
 
 def test_nli_pairs_task_runs_and_scores_on_the_post_grid(tiny_study, storage):

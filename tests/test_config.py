@@ -221,7 +221,7 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
     (["search_space.peft=[none, lora]", "search_space.adapter_learning_rate={low: 1, high: 0.1}"],
      r"low \(1.0\) is greater than high"),
     (["search_space.peft=[none, lora]", "search_space.adapter_learning_rate={low: 1.0e-4, high: "
-      "1.0e-3}", "study.enqueue=[{learning_rate: 1.0e-5}]"],
+      "1.0e-3}", "study.enqueue=[{learning_rate: 2.0e-4}]"],
      r"study.enqueue\[0\]: learning_rate is set, but the set may run with adapters"),
     (["search_space.peft=[none, lora]", "search_space.adapter_learning_rate={low: 1.0e-4, high: "
       "1.0e-3}", "study.enqueue=[{peft: none, adapter_learning_rate: 1.0e-4}]"],
@@ -241,5 +241,5 @@ def test_an_adapter_set_with_its_method_may_be_enqueued(tmp_path):
     ranged = config.load(path, ["search_space.peft=[none, lora]",
                                 "search_space.adapter_learning_rate={low: 1.0e-4, high: 1.0e-3}",
                                 "study.enqueue=[{peft: lora, adapter_learning_rate: 5.0e-4}, "
-                                "{peft: none, learning_rate: 2.0e-5}]"])
+                                "{peft: none, learning_rate: 2.0e-4}]"])
     assert ranged.study.enqueue[0] == {"peft": "lora", "adapter_learning_rate": 5.0e-4}

@@ -53,10 +53,12 @@ def test_a_study_whose_data_is_missing_names_what_is_missing(installed, tmp_path
 
 @pytest.mark.slow
 def test_demo_study_from_an_empty_directory_beats_the_trivial_baseline(installed, tmp_path):
+    work = tmp_path / "empty"  # beside the tokenization cache the fixture puts in tmp_path
+    work.mkdir()
     result = subprocess.run([installed / "hpo", "run", "--study", "demo", "--n-trials", "8"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+                            cwd=work, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-2000:]
-    study = optuna.load_study(study_name="demo", storage=f"sqlite:///{tmp_path / 'hpo.db'}")
+    study = optuna.load_study(study_name="demo", storage=f"sqlite:///{work / 'hpo.db'}")
     finished = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
     assert len(finished) == 8
     # Both models loaded from the package: the MiniLM's and the demo's tiny BERT.
@@ -70,5 +72,4 @@ def test_demo_study_from_an_empty_directory_beats_the_trivial_baseline(installed
     assert study.best_value > baseline + 0.15, (study.best_value, baseline)
     assert "best trial" in result.stdout and "trivial baseline" in result.stdout
     # What a run leaves in the working directory: the storage, its lock, the kept models.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpo-artifacts", "hpo.db",
-                                                          "hpo.hpo-lock"]
+    assert sorted(p.name for p in work.iterdir()) == ["hpo-artifacts", "hpo.db", "hpo.hpo-lock"]

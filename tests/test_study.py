@@ -279,6 +279,7 @@ def test_a_warm_start_renames_an_adapter_trial_s_rate_to_this_space_s_name(tiny_
                       "target_effective_batch_size": spec["target_effective_batch_size"][0],
                       "learning_rate": rate, "peft": peft}
             dists = {k: CategoricalDistribution([v]) for k, v in params.items()}
+            dists["peft"] = CategoricalDistribution(["none", "lora"])
             dists["learning_rate"] = FloatDistribution(1e-6, 1e-2, log=True)
             old.add_trial(optuna.trial.create_trial(params=params, distributions=dists,
                                                     value=value))

@@ -108,9 +108,10 @@ def status(ref: StudyRef, fmt: str) -> None:
 def best(ref: StudyRef, fmt: str) -> None:
     from hpo import summary
 
-    info = summary.best(load_study(ref))
+    study = load_study(ref)
+    info = summary.best(study)
     if info is None:
-        raise ConfigError(f"study '{ref.study or ref.config}' has no completed trial yet")
+        raise ConfigError(f"study '{study.study_name}' has no completed trial yet")
     print(summary.dump(info, "yaml" if fmt == "text" else fmt))
 
 

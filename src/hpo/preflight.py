@@ -121,7 +121,9 @@ def load_study(ref: StudyRef, opened: ResilientRDBStorage | None = None,
 
     if opened is None:
         opened, url = open_for_reading(ref)
-    name = ref.study or config_module.load(ref.config).study.name
+    # The name `hpo run` gave it: the file's study.name (with --set and the environment),
+    # where a file is found; a study that has no file here is named by --study alone.
+    name = ref.study if ref.study and ref.path() is None else load_config(ref).study.name
     try:
         return optuna.load_study(study_name=name, storage=opened)
     except KeyError:
