@@ -102,6 +102,8 @@ def trials_of(storage: str, name: str, segments: list[tuple[float, float]]) -> l
             "value": max(epochs) if trial.state == TrialState.COMPLETE and epochs else (
                 trial.value if trial.state == TrialState.COMPLETE else None),
             "model": trial.params.get("model_name", "").rsplit("/", 1)[-1],
+            # hpo's precision per trial: `auto` decides by the check's timed steps.
+            "precision": trial.params.get("fp_precision"),
             "start": offset + started - segment_start,
             "end": offset + ended - segment_start,
         })
