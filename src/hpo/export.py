@@ -46,8 +46,7 @@ def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
     put in its place: an earlier export is replaced whole, never mixed with this one. A
     failure or an interrupt on the way leaves neither the partial copy nor a directory
     created for it."""
-    created = [p for p in (directory.absolute().parent, *directory.absolute().parents)
-               if not p.exists()]
+    created = [p for p in directory.absolute().parents if not p.exists()]
     partial = directory.with_name(f".{directory.name}.partial")
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
