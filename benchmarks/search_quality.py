@@ -28,7 +28,8 @@ budget only).
 Every run starts from a fresh storage and an empty tokenization cache, as on a new machine.
 A trial's time is when it finished, counted from its process's start. Every tool is scored
 the same way: a finished (COMPLETE) trial's best epoch's macro-F1 on the validation posts.
-Runs record the machine's CPU: the report compares runs of one machine only. The raw results
+Runs record the machine's CPU: a seed compares runs of one machine only (the one its
+hpo run was on), so seeds may come from different CPU kinds. The raw results
 go to a JSON file from which `--render` writes the markdown report and the anytime plot (PNG).
 """
 
@@ -112,7 +113,7 @@ def trials_of(storage: str, name: str, segments: list[tuple[float, float]]) -> l
 
 PEERS = ("novice", "expert", "ray")
 NAMES = {"hpo": "hpo run", "novice": "novice: Optuna + Trainer.hyperparameter_search",
-         "expert": "expert: Optuna + Trainer, bf16, grouped, eval batch 64",
+         "expert": "expert: Optuna + Trainer, bf16 where native, grouped, eval batch 64",
          "ray": "Ray Tune: ASHA + OptunaSearch, expert switches"}
 
 
@@ -161,6 +162,7 @@ class Run:
     def record(self, label: str, n_trials: int) -> dict:
         return {"tool": self.tool, "label": label, "seed": self.seed,
                 "overrides": self.overrides, "n_trials": n_trials, "machine": cpu_model(),
+                "versions": versions(), "date": date.today().isoformat(),
                 "walls": [wall for _, wall in self.segments], "trials": self.trials()}
 
 
@@ -285,26 +287,38 @@ def _runs(results: dict) -> list[dict]:
              "machine": r.get("machine", results["machine"])} for r in results["runs"]]
 
 
+def compared(runs: list[dict]) -> dict[tuple[str, int], dict]:
+    """Each seed's default runs on the machine its hpo run was on: a seed compares tools on
+    one machine, and different seeds may come from different CPU kinds."""
+    machine_of = {r["seed"]: r["machine"] for r in runs
+                  if r["tool"] == "hpo" and r["label"] == "default"}
+    return {(r["tool"], r["seed"]): r for r in runs
+            if r["label"] == "default" and machine_of.get(r["seed"]) == r["machine"]}
+
+
 def render(results: dict, plot: Path) -> str:
     runs = _runs(results)
     n = results["n_trials"]
-    machines = [r["machine"] for r in runs if r["tool"] == "hpo" and r["label"] == "default"]
-    machine = max(set(machines), key=machines.count) if machines else results["machine"]
-    mine = [r for r in runs if r["machine"] == machine]
-    default = {(r["tool"], r["seed"]): r for r in mine if r["label"] == "default"}
+    default = compared(runs)
     seeds = sorted({seed for tool, seed in default if tool == "hpo"})
     peers = [t for t in PEERS if any((t, seed) in default for seed in seeds)]
-    v = results["versions"]
-    lines = [
-        f"Result ({machine}, {results['cores']} cores; torch {v['torch']}, "
-        f"transformers {v['transformers']}, optuna {v['optuna']}; {results['date']}; "
-        f"{n} trials per run; seeds {', '.join(map(str, seeds))}):", "",
-    ]
+    machines = list(dict.fromkeys(default[("hpo", seed)]["machine"] for seed in seeds))
+    lines = [f"Result ({results['cores']} cores; {n} trials per run; seeds "
+             f"{', '.join(map(str, seeds))}; each seed's tools ran on one machine, one after "
+             "another, alone):", ""]
+    for machine in machines:
+        on = [seed for seed in seeds if default[("hpo", seed)]["machine"] == machine]
+        v = default[("hpo", on[0])].get("versions", results["versions"])
+        day = default[("hpo", on[0])].get("date", results["date"])
+        lines.append(f"- {machine}: seed{'s' if len(on) > 1 else ''} "
+                     f"{', '.join(map(str, on))} (torch {v['torch']}, transformers "
+                     f"{v['transformers']}, optuna {v['optuna']}; {day})")
+    lines.append("")
     goals: dict[str, tuple[list[bool], list[float]]] = {t: ([], []) for t in peers}
     for seed in seeds:
         ours = default[("hpo", seed)]
         ran = sum(ours["walls"])
-        lines += [f"Seed {seed}:", "",
+        lines += [f"Seed {seed} ({ours['machine']}):", "",
                   f"| tool | wall for {n} trials | best after {n} trials | pruned + failed "
                   f"compute | hpo's best at this wall | hpo reaches this tool's best at |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -343,7 +357,8 @@ def render(results: dict, plot: Path) -> str:
             f" G2 **{'met' if median <= 0.5 else 'not met'}** (median {shown_median}; per seed "
             f"{', '.join('never' if r == float('inf') else f'{r:.0%}' for r in ratios)}).")
     lines.append("")
-    variants = [r for r in mine if r["tool"] == "hpo"]
+    variants = [r for r in runs if r["tool"] == "hpo"
+                and default.get(("hpo", r["seed"]), {}).get("machine") == r["machine"]]
     labels = list(dict.fromkeys(r["label"] for r in variants))
     if len(labels) > 1:
         lines += ["hpo's settings, each run as the defaults are (the trial budget, then on to "
@@ -371,9 +386,11 @@ def render(results: dict, plot: Path) -> str:
                 f"{statistics.mean(wasted_share(first_n(r['trials'], n)) for r in chosen):.0%} | "
                 + " | ".join(cells) + " |")
         lines.append("")
-    others = sorted({r["machine"] for r in runs} - {machine})
+    others = sorted({(r["tool"], r["seed"], r["machine"]) for r in runs
+                     if r["label"] == "default" and default.get((r["tool"], r["seed"])) is not r})
     if others:
-        lines += [f"Runs on other machines, not compared here: {', '.join(others)}.", ""]
+        lines += ["Runs on another machine than their seed's hpo run, not compared here: "
+                  + "; ".join(f"{NAMES[t]} seed {s} ({m})" for t, s, m in others) + ".", ""]
     draw(default, seeds, plot)
     lines.append(f"![anytime curves]({plot.name})")
     return "\n".join(lines)
