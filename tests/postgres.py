@@ -60,9 +60,10 @@ def fresh_database(prefix: str = "hpo_test") -> str:
     return f"{SERVER_URL}/{name}"
 
 
-def open_connections(url: str, wait: float = 10.0) -> list[str]:
+def open_connections(url: str, wait: float = 10.0, collect: bool = True) -> list[str]:
     """Connections still open to the database at url, after a garbage collection (a storage
-    nobody references closes its pool then) and up to `wait` seconds for exiting processes."""
+    nobody references closes its pool then; `collect` False: none) and up to `wait` seconds
+    for exiting processes."""
     parsed = make_url(url)
     admin = parsed.set(database="postgres").render_as_string(hide_password=False)
     engine = create_engine(admin, poolclass=NullPool,
@@ -72,7 +73,8 @@ def open_connections(url: str, wait: float = 10.0) -> list[str]:
     deadline = time.monotonic() + wait
     try:
         while True:
-            gc.collect()
+            if collect:
+                gc.collect()
             with engine.connect() as connection:
                 rows = connection.execute(query, {"name": parsed.database}).all()
             if not rows or time.monotonic() >= deadline:

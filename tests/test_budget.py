@@ -38,11 +38,61 @@ def test_counts_in_the_database_match_the_study(any_storage):
         (Counts(complete=3), False),  # the budget of 3 is spent
         (Counts(complete=1, running=2), False),  # the rest is running elsewhere
         (Counts(complete=1, running=1, failed=5), True),  # failed trials free their slot
-        (Counts(complete=2, running=1, waiting=1), True),  # a retry already holds a slot
+        (Counts(complete=2, failed=1, waiting=1), True),  # a retry takes its failed slot
+        # An enqueued set beyond the budget waits for a larger one (issue 30: several
+        # workers each took one and the budget overshot).
+        (Counts(complete=2, running=1, waiting=1), False),
     ],
 )
 def test_a_worker_claims_only_below_the_budget(counts, claims):
     assert budget.may_claim(counts, 3) is claims
+
+
+class Silent:
+    def message(self, text: str) -> None: ...
+
+    def trial_finished(self, trial, outcome) -> None: ...
+
+    def interrupted(self, text: str) -> None: ...
+
+
+def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
+    """Issue 30: with more sets enqueued than the budget, every worker took one while any
+    waited, so three workers finished 4 trials for a budget of 2."""
+    from hpo.outcome import Outcome
+    from hpo.worker import run_worker
+
+    setup = open_storage(pg_url)
+    study = optuna.create_study(study_name="q", storage=setup, direction="maximize")
+    for x in range(5):
+        study.enqueue_trial({"x": x / 10})
+    errors: list[BaseException] = []
+
+    def slow(study: optuna.Study, live):
+        trial = live.trial
+        trial.suggest_float("x", 0.0, 1.0)
+        time.sleep(0.5)  # long enough that every worker claims while the others run
+        return Outcome(TrialState.COMPLETE, value=0.5), study.tell(trial, 0.5)
+
+    def worker() -> None:
+        storage = open_storage(pg_url)
+        try:
+            run_worker(optuna.load_study(study_name="q", storage=storage), storage, slow,
+                       Silent(), n_trials=2, poll_seconds=0.1)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            storage.engine.dispose()
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert (states.count(TrialState.COMPLETE), states.count(TrialState.WAITING)) == (2, 3)
+    setup.engine.dispose()
 
 
 def test_the_study_lock_excludes_other_holders(any_storage):

@@ -238,3 +238,22 @@ def test_a_server_without_a_free_connection_is_named_as_the_cause_with_what_to_s
             connection.close()
         engine.dispose()
         server.destroy()
+
+
+def test_commands_in_process_leave_no_server_connection_open(tiny_study, pg_url, capsys):
+    """Issue 30: `main(["run", ...])` in a long-lived process left three idle connections
+    that only a garbage collection closed."""
+    import gc
+
+    from postgres import open_connections
+
+    from hpo.cli import main
+
+    gc.disable()  # the cycles that hold the storages stay uncollected, as between GCs
+    try:
+        for argv in (["create", "--skip-check"], ["run", "--n-trials", "1"], ["status"]):
+            assert main([argv[0], "--config", str(tiny_study), "--storage", pg_url,
+                         *argv[1:]]) == 0, capsys.readouterr().err
+            assert open_connections(pg_url, wait=0, collect=False) == [], argv[0]
+    finally:
+        gc.enable()

@@ -121,6 +121,21 @@ def test_study_batch_cache_round_trip_and_lowering():
     assert memory.physical_batch(lowered, 32, 0.9) == math.floor(0.9 * 3)
 
 
+def test_an_oom_at_one_sample_prunes_its_trial_but_is_not_kept_for_the_study():
+    """Issue 30: one OOM at micro-batch 1 (a GPU another process filled for a moment) was
+    stored, and every later trial of that model and precision was pruned for good."""
+    study = optuna.create_study()
+    cache = StudyBatchCache(study)
+    cache.update("k", BatchLimit(8, 12))
+    assert cache.lower("k", 1) == BatchLimit(0, 1)  # this trial goes by it
+    assert StudyBatchCache(study).get("k") == BatchLimit(8, 12)  # the study keeps what it knew
+    assert cache.update("new", BatchLimit(0, 1)) == BatchLimit(0, 1)
+    assert StudyBatchCache(study).get("new") == BatchLimit()
+    assert "batch_limit:new" not in study.user_attrs
+    assert cache.lower("k", 2) == BatchLimit(1, 2)  # an OOM at 2 still lowers it for all
+    assert StudyBatchCache(study).get("k") == BatchLimit(1, 2)
+
+
 def test_study_batch_cache_merges_what_another_worker_wrote(any_storage):
     optuna.create_study(study_name="s", storage=any_storage)
     mine = StudyBatchCache(optuna.load_study(study_name="s", storage=any_storage))

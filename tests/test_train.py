@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import DEMO_DATA
 
+from hpo import faults
 from hpo.data.batching import Collator, encode
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.tasks import build_examples
@@ -214,6 +215,57 @@ def test_an_out_of_memory_error_in_a_compiled_model_is_not_a_compile_failure(
     monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "1")
     with pytest.raises(torch.OutOfMemoryError):
         prepare(setup[0].build(str(tiny_model), 9, seed=0), plan(compile=True), detect("cpu"))
+
+
+def counting_backend(counts: dict[str, int]):
+    """An autograd-aware backend that runs the captured graphs as they are and counts each
+    forward and backward compilation (torch's documented custom-backend recipe, from the
+    private module faults.compile_backend uses too)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def counted(kind: str):
+        def compile_graph(graph_module, _example_inputs):
+            counts[kind] += 1
+            return graph_module
+
+        return compile_graph
+
+    return aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward"))
+
+
+def test_a_micro_batch_of_one_sample_is_compiled_before_training(setup, tiny_model,
+                                                                 monkeypatch):
+    """Issue 30: a batch of one is specialised, so its graphs, backward included, were
+    compiled at its first training step, where a compiler failure failed the trial."""
+    torch._dynamo.reset()
+    counts = {"forward": 0, "backward": 0}
+    monkeypatch.setattr(faults, "compile_backend", lambda: counting_backend(counts))
+    store, tokenizer, data = setup
+    p = plan(compile=True, epochs=1, effective_batch=5, physical_batch=2)  # 2, 2 and 1
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, detect("cpu"))
+    assert model.failure is None
+    warmed = dict(counts)
+    collate = Collator(data, tokenizer.pad_token_id)
+    for micro in ([0, 1], [2]):  # the first step's micro-batches, of real lengths
+        micro_batch_loss(model, collate(micro), 5).backward()
+    assert counts == warmed, "training compiled graphs its warm-up had not"
+    assert model.failure is None
+    torch._dynamo.reset()
+
+
+def test_a_model_past_its_recompile_limit_is_recorded_as_running_eagerly(setup, tiny_model,
+                                                                         monkeypatch):
+    """Issue 30: torch runs a graph past its recompile limit eagerly without saying so, and
+    the trial recorded itself compiled. One compilation allowed: the warm-up's evaluation is
+    the second."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(faults, "compile_backend", lambda: "eager")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        model = prepare(setup[0].build(str(tiny_model), 9, seed=0), plan(compile=True),
+                        detect("cpu"))
+    assert isinstance(model, CompiledOrEager)
+    assert model.failure is not None and "recompile" in model.failure.lower(), model.failure
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 Optuna's MaxTrialsCallback checks the count after a trial, so N workers overshoot by up to
 N - 1. Here a worker claims a trial inside a lock shared through the database (a PostgreSQL
-advisory lock; a file lock beside an SQLite file) and only when COMPLETE + PRUNED + RUNNING +
-WAITING trials stay below the budget: a failed trial frees its slot, so another is made up.
+advisory lock; a file lock beside an SQLite file) and only when COMPLETE + PRUNED + RUNNING
+trials stay below the budget: a failed trial frees its slot, so another is made up.
 """
 
 from __future__ import annotations
@@ -91,8 +91,11 @@ def unbeaten_trial_ids(connection: sqlalchemy.Connection, study_id: int,
 
 
 def may_claim(counts: Counts, budget: float) -> bool:
-    """A waiting trial (a retry) is always taken: it already holds a slot of the budget."""
-    return counts.waiting > 0 or counts.claimed < budget
+    """Whether a trial may start: fewer than `budget` are finished or running. A claim takes a
+    waiting trial first (Optuna's ask does), so a retry copy runs in the slot its failed
+    original freed, and enqueued sets beyond the budget stay waiting (a later, larger budget
+    runs them) instead of each of several workers starting one past the budget."""
+    return counts.finished + counts.running < budget
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # Both light: `hpo --help` and a mistyped study file do not wait for torch.
-from hpo import commands
+from hpo import commands, release
 from hpo.errors import BAD_INPUT, Terminated, WorkerStopped
 from hpo.preflight import StudyRef
 
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpo", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action="version", version=f"hpo {release.version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("run", help="join (or create) a study and run trials")
@@ -290,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
+        # Only a command that opened a storage has imported the module (and optuna with it).
+        opened = sys.modules.get("hpo.storage")
+        if opened is not None:
+            opened.close_opened()
 
 
 def _main(argv: list[str]) -> int:

@@ -48,8 +48,12 @@ class StorageError(ValueError):
     """A storage that cannot be opened; the message carries no password."""
 
 
+class StudyFormatError(ValueError):
+    """A study written by a newer release of hpo in a format this one cannot read."""
+
+
 BAD_INPUT = (CheckError, ConfigError, DataError, FaultConfigError, ModelError, SpaceError,
-             StorageError)
+             StorageError, StudyFormatError)
 
 
 def one_line(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -189,6 +190,7 @@ class ResilientRDBStorage(RDBStorage):
         if self.engine.dialect.name != "sqlite":
             sqlalchemy.event.listen(self.engine, "handle_error",
                                     lambda context: _note_error(contact, context))
+        _OPENED.add(self.engine)
 
     def trusts_heartbeats(self) -> bool:
         """True when this storage has been in unbroken contact for a grace period, so a
@@ -212,6 +214,22 @@ class ResilientRDBStorage(RDBStorage):
 _LOCAL = {"__init__", "__getstate__", "__setstate__", "remove_session",
           "_build_frozen_trial_from_trial_model", "get_heartbeat_interval",
           "get_heartbeat_stale_trial_callback", "get_failed_trial_callback"}
+
+
+# The engine of every storage this process opened, while anything still holds it. The engines,
+# not the storages: a storage freed by its reference count leaves its engine and pool in
+# SQLAlchemy's reference cycles, connections open.
+_OPENED: weakref.WeakSet[sqlalchemy.Engine] = weakref.WeakSet()
+
+
+def close_opened() -> None:
+    """Close the pooled connections of every storage opened so far. A command's engines sit
+    in reference cycles, so without this their server connections stay open until a garbage
+    collection: in a long-lived process that calls `hpo.cli.main` (a notebook, a scheduler, a
+    test run) that is a few idle connections per command against the server's shared
+    max_connections. A storage used again afterwards opens a new connection."""
+    for engine in list(_OPENED):
+        engine.dispose()
 
 
 def _storage_calls(cls: type) -> Iterator[str]:

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 import optuna
 from optuna.trial import TrialState
 
-from hpo import budget
+from hpo import budget, release
 from hpo.config import ADAPTER_RATE, SearchSpace, StudyConfig
 from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
@@ -81,6 +81,7 @@ def join(
             pruner=make_pruner(config),
             load_if_exists=True,
         )
+        release.record(study)
         pin_liveness(study, storage, config)
         if splits is not None:
             pin_splits(study, splits)
@@ -241,11 +242,20 @@ class StudyBatchCache:
         return BatchLimit.from_json(stored) if stored else BatchLimit()
 
     def update(self, key: str, limit: BatchLimit) -> BatchLimit:
+        """Merge what a trial learned into the study's limit; returns the merged limit the
+        trial goes by. An out-of-memory at one sample is that trial's alone: it says the
+        device was full at that moment (a GPU shared with another process), not that the key
+        never fits, and kept it would prune every later trial of the key for good. A
+        combination that cannot run one sample is the study's check to mark unusable."""
         # Read, merged and written under the study lock: another worker may be learning
         # something about the same key at the same moment.
         with self.lock():
-            merged = self.get(key).merge(limit)
-            self._study.set_user_attr(self.PREFIX + key, merged.to_json())
+            stored = self.get(key)
+            merged = stored.merge(limit)
+            kept = merged if merged.smallest_fail != 1 else stored.merge(
+                BatchLimit(limit.largest_ok))
+            if kept != stored:
+                self._study.set_user_attr(self.PREFIX + key, kept.to_json())
         return merged
 
     def lower(self, key: str, batch: int) -> BatchLimit:

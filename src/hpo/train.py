@@ -104,13 +104,20 @@ class CompiledOrEager(torch.nn.Module):
         super().__init__()
         self.eager = model
         self.config = model.config
+        import torch._dynamo  # forward sets one of its settings; torch.compile loads it anyway
+
         self.compiled = torch.compile(model, dynamic=True, backend=backend)
         self.failure: str | None = None
 
     def forward(self, **inputs: torch.Tensor):
         if self.failure is None:
             try:
-                return self.compiled(**inputs)
+                # Past its recompile limit torch runs a graph eagerly from then on without a
+                # word, and the trial would record itself compiled; raised instead, it says
+                # why it trains without the compiler. A private module's documented setting:
+                # test_train's recompile-limit test fails if it goes.
+                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                    return self.compiled(**inputs)
             except Exception as exc:
                 if memory.is_oom(exc):
                     raise
@@ -123,25 +130,30 @@ class CompiledOrEager(torch.nn.Module):
 
 
 def compiled(model: torch.nn.Module, plan: Plan, device: Device) -> CompiledOrEager:
-    """`model` compiled, its compilation done now on a small batch in both the ways a trial
+    """`model` compiled, its compilation done now on small batches in both the ways a trial
     runs it (a training step, forward and backward, and an evaluation): torch compiles the
     backward lazily, at the first backward pass, where no forward call could catch its
-    failure."""
+    failure. Dynamic shapes specialise a batch of one sample (its own graphs, backward
+    included), so a plan whose training runs micro-batches of one compiles those now too."""
     wrapped = CompiledOrEager(model, faults.compile_backend())
     generator = torch.Generator().manual_seed(0)
-    shape = (2, 8)  # dynamic shapes: sizes 0 and 1 would be specialised, not generalised
-    inputs = {
-        "input_ids": torch.randint(0, model.config.vocab_size, shape, generator=generator),
-        "attention_mask": torch.ones(shape, dtype=torch.long),
-    }
-    inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+    batches = [2] + ([1] if 1 in micro_batch_sizes(plan) else [])
     try:
-        with autocast(device, plan.precision):
-            logits = wrapped(**inputs).logits
-        logits.float().sum().backward()
-        with torch.inference_mode(), autocast(device, plan.precision):
-            wrapped.eval()
-            wrapped(**inputs)
+        for batch in batches:
+            shape = (batch, 8)
+            inputs = {
+                "input_ids": torch.randint(0, model.config.vocab_size, shape,
+                                           generator=generator),
+                "attention_mask": torch.ones(shape, dtype=torch.long),
+            }
+            inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+            wrapped.train()
+            with autocast(device, plan.precision):
+                logits = wrapped(**inputs).logits
+            logits.float().sum().backward()
+            with torch.inference_mode(), autocast(device, plan.precision):
+                wrapped.eval()
+                wrapped(**inputs)
     except Exception as exc:
         if memory.is_oom(exc) or wrapped.failure is not None:
             raise
@@ -149,6 +161,13 @@ def compiled(model: torch.nn.Module, plan: Plan, device: Device) -> CompiledOrEa
     model.zero_grad(set_to_none=True)
     wrapped.train()
     return wrapped
+
+
+def micro_batch_sizes(plan: Plan) -> set[int]:
+    """The micro-batch sizes training runs: the physical batch, and what is left of an
+    optimizer step after whole physical batches."""
+    rest = plan.effective_batch % plan.physical_batch
+    return {plan.physical_batch} | ({rest} if rest else set())
 
 
 def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.optim.AdamW:
