@@ -44,6 +44,11 @@ class Counts:
         return self.complete + self.pruned
 
     @property
+    def started(self) -> int:
+        """The trials that hold a slot of the budget: finished or running."""
+        return self.finished + self.running
+
+    @property
     def claimed(self) -> int:
         return self.finished + self.running + self.waiting
 
@@ -95,7 +100,7 @@ def may_claim(counts: Counts, budget: float) -> bool:
     waiting trial first (Optuna's ask does), so a retry copy runs in the slot its failed
     original freed, and enqueued sets beyond the budget stay waiting (a later, larger budget
     runs them) instead of each of several workers starting one past the budget."""
-    return counts.finished + counts.running < budget
+    return counts.started < budget
 
 
 @contextlib.contextmanager

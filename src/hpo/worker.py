@@ -231,7 +231,7 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: i
     the same slot: recount under the lock and give the trial back if the budget overshoots."""
     with budget.study_lock(storage.engine, study.study_name) as connection:
         counts = budget.count_in_database(connection, study_id)
-        if counts.finished + counts.running <= n_trials:
+        if counts.started <= n_trials:
             return True
         give_back(study, trial, GivenBack("claimed while the study lock was lost with its "
                                           "database connection; given back to keep the "
