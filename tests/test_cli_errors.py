@@ -208,7 +208,7 @@ def test_mistakes_found_without_torch_are_reported_before_loading_it(study_file,
 
 
 @pytest.mark.parametrize("command", [["status", "--study", "demo"], ["best", "--study", "demo"],
-                                     ["studies"], ["dashboard"]])
+                                     ["studies"], ["dashboard"], ["final", "--study", "demo"]])
 def test_reading_a_sqlite_file_that_does_not_exist_says_so(tmp_path, command):
     missing = tmp_path / "typo.db"
     result = hpo(*command, "--storage", f"sqlite:///{missing}")

@@ -120,7 +120,7 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
     """Train the chosen trial again per seed, score it on the test split, export the model."""
     # The trial's precision is what must be native here (final.check_precision), not all
     # of the study file's.
-    prepared = prepare(ref, runs_trials=False)
+    prepared = prepare(ref, runs_trials=False, existing=True)
 
     from hpo import export
     from hpo import final as final_module

@@ -56,9 +56,10 @@ class Prepared:
     storage: ResilientRDBStorage
 
 
-def prepare(ref: StudyRef, *, runs_trials: bool = True) -> Prepared:
+def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) -> Prepared:
     """The study file, data, models and device checked, then the storage opened. On a host
-    that runs trials every precision the study searches must be native to the device."""
+    that runs trials every precision the study searches must be native to the device; a
+    command that reads an `existing` search refuses a SQLite file that is not there."""
     from hpo import faults
     from hpo.data.redsm5 import read_redsm5
     from hpo.data.splits import check_folds, split_posts
@@ -82,6 +83,8 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True) -> Prepared:
         space.check_device(config, device)  # refuses emulated precisions before I/O
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage.storage_url(ref.storage, config.study.storage)
+    if existing:
+        refuse_missing(url)
     opened = storage.open_storage(
         url, heartbeat_interval=config.study.heartbeat_interval,
         grace_period=config.study.grace_period, max_retry=config.study.max_retry,
@@ -106,11 +109,18 @@ def open_for_reading(ref: StudyRef, **options: Any) -> tuple[ResilientRDBStorage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = storage.storage_url(ref.storage, _file_setting(ref, lambda s: s.storage))
+    refuse_missing(url)
+    return storage.open_storage(url, **options), url
+
+
+def refuse_missing(url: str) -> None:
+    """Opening a SQLite file that is not there would create it empty."""
+    from hpo import storage
+
     missing = storage.missing_sqlite_file(url)
     if missing is not None:
         raise ConfigError(f"no storage at {missing}: nothing has run there yet (`hpo run` "
                           f"creates it; --storage or HPO_STORAGE names another)")
-    return storage.open_storage(url, **options), url
 
 
 def load_study(ref: StudyRef, opened: ResilientRDBStorage | None = None,
