@@ -9,6 +9,7 @@ import csv
 import functools
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,18 @@ def require_command(name: str, package: str) -> str:
     path = shutil.which(name)
     require(path is not None, f"`{name}` is not installed: apt-get install -y {package}")
     return path
+
+
+def rendered_text(url: str, profile) -> str:
+    """The page's text after its scripts ran, as headless Chromium renders it."""
+    dom = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=20000",
+         "--dump-dom", url],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
 
 
 PROCESS_MARKER = "HPO_TESTS_PROCESS_MARKER"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import REPO, require_command
+from conftest import REPO, rendered_text, require_command
 
 from hpo.artifacts import kept
 from hpo.cli import main
@@ -25,18 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rendered_text(url: str, profile) -> str:
-    """The page's text after its scripts ran, as headless Chromium renders it."""
-    dom = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=20000",
-         "--dump-dom", url],
-        capture_output=True, text=True, timeout=120,
-    ).stdout
-    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""Deployment files: docker-compose.yml as `docker-compose config` resolves it, the Kubernetes
+"""Deployment files: docker-compose.yml with its GPU override (what `docker compose up` reads)
+and with docker-compose.cpu.yml, as `docker-compose config` resolves them, the Kubernetes
 manifests against the API schemas (kubernetes-validate bundles them: no cluster, no network),
-and the Dockerfile. No Docker engine is needed."""
+and the Dockerfile. No Docker engine is needed: test_deploy_fleet.py builds and runs them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from conftest import require_command
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
+CPU_OVERRIDE = REPO / "docker-compose.cpu.yml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 K8S_DIR = REPO / "deploy" / "k8s"
 PASSWORD = "compose-test-password"
@@ -44,28 +46,43 @@ def compose_command() -> list[str]:
 
 
 def compose_env(**extra: str) -> dict[str, str]:
-    """The environment without POSTGRES_PASSWORD or COMPOSE_* settings that could change what
-    `config` reads."""
+    """The environment without POSTGRES_PASSWORD, HPO_* or COMPOSE_* settings that could
+    change what `config` reads."""
     env = {key: value for key, value in os.environ.items()
-           if key != "POSTGRES_PASSWORD" and not key.startswith("COMPOSE_")}
+           if key != "POSTGRES_PASSWORD" and not key.startswith(("COMPOSE_", "HPO_"))}
     return {**env, **extra}
 
 
-def run_compose_config(project: Path, env: dict[str, str], env_file: Path):
+def run_compose_config(project: Path, env: dict[str, str], env_file: Path,
+                       files: tuple[Path, ...] = ()):
+    """`config` of `files`; none named: what `docker compose up` reads in `project`
+    (docker-compose.yml and docker-compose.override.yml)."""
     # --env-file: a developer's own .env must not decide the outcome.
-    command = [*compose_command(), "--project-directory", str(project),
-               "-f", str(project / "docker-compose.yml"), "--env-file", str(env_file), "config"]
+    named = [arg for file in files for arg in ("-f", str(file))]
+    command = [*compose_command(), "--project-directory", str(project), *named,
+               "--env-file", str(env_file), "config"]
     return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True,
                           timeout=60)
 
 
-@pytest.fixture(scope="module")
-def compose(tmp_path_factory) -> dict:
+def resolved(tmp_path_factory, files: tuple[Path, ...] = (), **env: str) -> dict:
     empty = tmp_path_factory.mktemp("compose-env") / "empty.env"
     empty.write_text("")
-    result = run_compose_config(REPO, compose_env(POSTGRES_PASSWORD=PASSWORD), empty)
+    result = run_compose_config(REPO, compose_env(POSTGRES_PASSWORD=PASSWORD, **env), empty,
+                                files)
     assert result.returncode == 0, f"docker-compose config failed:\n{result.stderr}"
     return yaml.safe_load(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def compose(tmp_path_factory) -> dict:
+    """The GPU host's fleet: `docker compose up` with no file named."""
+    return resolved(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cpu_compose(tmp_path_factory) -> dict:
+    return resolved(tmp_path_factory, (COMPOSE_FILE, CPU_OVERRIDE))
 
 
 def workers(compose: dict) -> dict[str, dict]:
@@ -127,6 +144,38 @@ def test_compose_workers_have_one_distinct_gpu_each(compose):
         assert len(device["device_ids"]) == 1, name
         seen.append(str(device["device_ids"][0]))
     assert len(seen) == len(set(seen)), f"two workers share a GPU: {seen}"
+
+
+def test_compose_cpu_override_reserves_no_gpu_and_gives_workers_one_thread(compose,
+                                                                         cpu_compose):
+    assert set(cpu_compose["services"]) == set(compose["services"])
+    for name, service in cpu_compose["services"].items():
+        assert "nvidia" not in json.dumps(service), name
+    for name in (*workers(cpu_compose), "init"):
+        assert cpu_compose["services"][name]["environment"]["OMP_NUM_THREADS"] == "1", name
+    # Otherwise the same fleet: commands, storage, volumes, restart policies.
+    for name, service in compose["services"].items():
+        ours = cpu_compose["services"][name]
+        for key in ("command", "volumes", "restart", "depends_on", "image", "ports"):
+            assert ours.get(key) == service.get(key), (name, key)
+
+
+def test_compose_images_and_ports_default_to_the_real_ones_and_follow_the_environment(
+        compose, tmp_path_factory):
+    services = compose["services"]
+    assert services["worker-0"]["image"] == "hpo:latest"
+    assert services["worker-0"]["build"]["args"]["BASE_IMAGE"] == dockerfile_base_default()
+    changed = resolved(tmp_path_factory, (COMPOSE_FILE, CPU_OVERRIDE),
+                       HPO_IMAGE="hpo-test/hpo:t", HPO_BASE_IMAGE="hpo-test/base:t",
+                       HPO_POSTGRES_IMAGE="hpo-test/postgres:t", HPO_POSTGRES_PORT="15432",
+                       HPO_DASHBOARD_PORT="18080", HPO_CPU_THREADS="2")["services"]
+    assert changed["postgres"]["image"] == "hpo-test/postgres:t"
+    for name in (*HPO_SERVICES, *workers(compose)):
+        assert changed[name]["image"] == "hpo-test/hpo:t", name
+        assert changed[name]["build"]["args"]["BASE_IMAGE"] == "hpo-test/base:t", name
+    assert "15432" in json.dumps(changed["postgres"]["ports"])
+    assert "18080" in json.dumps(changed["dashboard"]["ports"])
+    assert changed["worker-1"]["environment"]["OMP_NUM_THREADS"] == "2"
 
 
 def test_compose_hpo_services_get_the_storage_url_from_the_password(compose):
@@ -299,8 +348,14 @@ def instruction(name: str) -> list[str]:
     return [rest for word, rest in dockerfile_instructions() if word == name]
 
 
-def test_dockerfile_base_image_is_a_pinned_cuda_pytorch_runtime():
-    (base,) = instruction("FROM")
+def dockerfile_base_default() -> str:
+    (line,) = [rest for rest in instruction("ARG") if rest.startswith("BASE_IMAGE=")]
+    return line.partition("=")[2]
+
+
+def test_dockerfile_base_image_is_an_argument_defaulting_to_a_pinned_cuda_pytorch_runtime():
+    assert instruction("FROM") == ["${BASE_IMAGE}"]
+    base = dockerfile_base_default()
     assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", base), base
 
 
