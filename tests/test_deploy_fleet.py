@@ -59,7 +59,7 @@ def wait_for(what: str, ready: Callable[[], object], timeout: float,
         time.sleep(interval)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Fleet:
     project: str
     env: dict[str, str]
@@ -121,21 +121,19 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         "worker-0": {"command": run},
         "worker-1": {"command": run},
     }}))
-    project = f"hpotest{os.getpid()}"
     image = "hpo-test/hpo:fleet"  # kept, like the stand-ins: the next build reuses its layers
+    postgres_port, dashboard_port = free_port(), free_port()
     fleet = Fleet(
-        project=project,
+        project=f"hpotest{os.getpid()}",
         env={**{k: v for k, v in os.environ.items()
                 if not k.startswith(("COMPOSE_", "HPO_", "POSTGRES_"))},
              **images, "HPO_IMAGE": image, "POSTGRES_PASSWORD": PASSWORD,
-             "HPO_POSTGRES_PORT": str(free_port()), "HPO_DASHBOARD_PORT": str(free_port()),
+             "HPO_POSTGRES_PORT": str(postgres_port), "HPO_DASHBOARD_PORT": str(dashboard_port),
              # Scaled down from 30 s and 120 s, as in the soak, so a kill is noticed quickly.
              "HPO_HEARTBEAT_INTERVAL": "2", "HPO_GRACE_PERIOD": "8"},
         files=[REPO / "docker-compose.yml", REPO / "docker-compose.cpu.yml", override],
-        env_file=here / "empty.env",
-        postgres_port=0, dashboard_port=0, base_image=images["HPO_BASE_IMAGE"], image=image)
-    fleet.postgres_port = int(fleet.env["HPO_POSTGRES_PORT"])
-    fleet.dashboard_port = int(fleet.env["HPO_DASHBOARD_PORT"])
+        env_file=here / "empty.env", postgres_port=postgres_port, dashboard_port=dashboard_port,
+        base_image=images["HPO_BASE_IMAGE"], image=image)
     try:
         fleet.compose("build", timeout=1800)
         yield fleet
