@@ -57,10 +57,10 @@ build_base() {
     --customize-hook='rm -rf "$1"/tmp/wheels "$1"/root/.cache "$1"/var/lib/apt/lists/*' \
     "$SUITE" "$work/rootfs.tar"
   docker import \
-        --change "ENV PATH=$PATH_IN_IMAGE" \
-        --change "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt" \
-        --change 'CMD ["python3"]' \
-        "$work/rootfs.tar" "$BASE" >/dev/null
+    --change "ENV PATH=$PATH_IN_IMAGE" \
+    --change "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt" \
+    --change 'CMD ["python3"]' \
+    "$work/rootfs.tar" "$BASE" >/dev/null
   rm "$work/rootfs.tar"
 }
 
@@ -106,13 +106,13 @@ ENTRYPOINT
     --customize-hook='rm -rf "$1"/var/lib/postgresql/'"$PG_MAJOR"' "$1"/etc/postgresql/'"$PG_MAJOR"' "$1"/var/lib/apt/lists/*' \
     "$SUITE" "$work/rootfs.tar"
   docker import \
-        --change "ENV PATH=/usr/lib/postgresql/$PG_MAJOR/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-        --change "ENV PGDATA=/var/lib/postgresql/data" \
-        --change 'VOLUME ["/var/lib/postgresql/data"]' \
-        --change 'EXPOSE 5432' \
-        --change 'ENTRYPOINT ["/usr/local/bin/docker-entrypoint.sh"]' \
-        --change 'CMD ["postgres"]' \
-        "$work/rootfs.tar" "$POSTGRES" >/dev/null
+    --change "ENV PATH=/usr/lib/postgresql/$PG_MAJOR/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    --change "ENV PGDATA=/var/lib/postgresql/data" \
+    --change 'VOLUME ["/var/lib/postgresql/data"]' \
+    --change 'EXPOSE 5432' \
+    --change 'ENTRYPOINT ["/usr/local/bin/docker-entrypoint.sh"]' \
+    --change 'CMD ["postgres"]' \
+    "$work/rootfs.tar" "$POSTGRES" >/dev/null
 }
 
 have "$BASE" || build_base

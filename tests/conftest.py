@@ -11,6 +11,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -62,6 +63,12 @@ def require_command(name: str, package: str) -> str:
     path = shutil.which(name)
     require(path is not None, f"`{name}` is not installed: apt-get install -y {package}")
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rendered_text(url: str, profile) -> str:

@@ -4,7 +4,6 @@ produced, and an OOM-pruned trial is told apart from a completed one."""
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,10 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import REPO, rendered_text, require_command
+from conftest import REPO, free_port, rendered_text, require_command
 
 from hpo.artifacts import kept
 from hpo.cli import main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import REPO, rendered_text, require, require_command
+from conftest import REPO, free_port, rendered_text, require, require_command
 from optuna.trial import TrialState
 from test_deploy import dockerfile_base_default
 
@@ -35,17 +34,16 @@ BUDGET = 24
 SETTINGS = ["--set", "search_space.model_name=[data/demo/models/tiny-bert]",
             "--set", "training.epochs=4", "--set", "study.keep_best=2"]
 PASSWORD = "fleet-test-password"
-SERVICES = ("postgres", "init", "dashboard", "worker-0", "worker-1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def docker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def require_engine() -> None:
+    require(shutil.which("docker") is not None and docker("info").returncode == 0,
+            "no Docker engine answers: apt-get install -y docker.io, then start dockerd "
+            "(.ci/run does both)")
 
 
 def wait_for(what: str, ready: Callable[[], object], timeout: float,
@@ -108,9 +106,7 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
     require_command("docker-compose", "docker-compose")
     require_command("mmdebstrap", "mmdebstrap")
     require_command("chromium", "chromium")
-    require(shutil.which("docker") is not None and docker("info").returncode == 0,
-            "no Docker engine answers: apt-get install -y docker.io, then start dockerd "
-            "(.ci/run does both)")
+    require_engine()
     images = standin_images()
     here = tmp_path_factory.mktemp("fleet")
     (here / "empty.env").write_text("")  # a developer's own .env must not decide the outcome
@@ -252,8 +248,7 @@ def test_down_leaves_no_container_volume_or_network(fleet):
 def test_on_a_gpu_host_the_image_builds_on_the_real_base_and_sees_the_gpu():
     """What this machine cannot show; runs where an engine has the NVIDIA runtime and can pull
     the real base image."""
-    require(shutil.which("docker") is not None and docker("info").returncode == 0,
-            "no Docker engine answers: apt-get install -y docker.io, then start dockerd")
+    require_engine()
     if "nvidia" not in docker("info", "--format", "{{json .Runtimes}}").stdout:
         pytest.skip("this Docker engine has no NVIDIA runtime: the GPU reservations "
                     "(docker-compose.override.yml) are checked statically only, in "
