@@ -2,6 +2,7 @@
 failed and retried by a live one. Real storages, real processes."""
 
 import functools
+import gc
 import signal
 import time
 from collections import Counter
@@ -165,6 +166,8 @@ def test_run_on_each_backend(tiny_study, any_storage):
     assert main(["run", "--config", str(tiny_study), "--storage", any_storage,
                  "--n-trials", "2"]) == 0
     assert trial_states(any_storage)[TrialState.COMPLETE] == 2
+    # What the worker held before its trials is out of the collector's sight.
+    assert gc.get_freeze_count() > 0
 
 
 def test_tiny_validation_data_and_a_best_below_the_baseline_are_warned_of(tiny_study, tmp_path,

@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import artifacts, hardware, models
+from hpo import artifacts, hardware, memory, models
 from hpo.config import StudyConfig
 from hpo.executor import execute, outcome_of, tell
 from hpo.hardware import Device
@@ -128,6 +128,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
+    memory.freeze_long_lived()
     if not config.data.cv_folds:
         resources.keeper = artifacts.keeper_for(config, payload["url"])
     live = LiveTrial(optuna.trial.Trial(study, trial_id))

@@ -17,7 +17,7 @@ from typing import Protocol
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo import artifacts, budget, check, faults, hardware, isolation
+from hpo import artifacts, budget, check, faults, hardware, isolation, memory
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
 from hpo.errors import WorkerStopped
@@ -147,6 +147,7 @@ def work(
             f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
             f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
         )
+    memory.freeze_long_lived()
     verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
                 else check.stored(study, device))
     decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
