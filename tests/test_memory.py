@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -107,25 +110,19 @@ def test_memory_is_released_after_a_failed_probe_only(monkeypatch):
 
 
 def test_frozen_objects_leave_the_collectors_sight_and_later_cycles_are_still_collected():
-    import gc
-    import weakref
-
     class Node:
         pass
 
-    try:
-        memory.freeze_long_lived()
-        assert gc.get_freeze_count() > 0
-        frozen = gc.get_freeze_count()
-        a, b = Node(), Node()
-        a.other, b.other = b, a  # a cycle made after the freeze
-        gone = weakref.ref(a)
-        del a, b
-        gc.collect()
-        assert gone() is None
-        assert gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()
+    memory.freeze_long_lived()  # conftest's unfrozen_objects gives them back after the test
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle made after the freeze
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    assert gone() is None
+    assert gc.get_freeze_count() == frozen
 
 
 @pytest.mark.parametrize(
