@@ -58,8 +58,7 @@ def run_hpo(folder: Path, params: dict) -> optuna.trial.FrozenTrial:
 
 def run_expert(folder: Path, params: dict) -> optuna.trial.FrozenTrial:
     storage = f"sqlite:///{folder / 'expert.db'}"
-    expert_params = {k: v for k, v in params.items() if k != "fp_precision"}
-    enqueued(storage, "peer", expert_params, None)
+    enqueued(storage, "peer", params, None)
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "peer_trainer.py"),
                     "--glue", "expert", "--storage", storage, "--n-trials", "1"],
                    cwd=REPO, check=True, stdout=subprocess.DEVNULL)
