@@ -41,7 +41,7 @@ from hpo.data.batching import Encoded, encode
 from hpo.data.redsm5 import SYMPTOMS, Post, read_redsm5
 from hpo.data.tasks import Example, build_examples
 from hpo.hardware import Device, configure_backends, detect, native_precisions
-from hpo.memory import freeze_long_lived
+from hpo.memory import long_lived_frozen
 from hpo.metrics import f1_scores
 from hpo.models import ModelStore, quiet_transformers
 from hpo.train import Plan, balanced_pos_weight, predict, prepare, train
@@ -244,16 +244,18 @@ def load_bench(args: argparse.Namespace, device: Device) -> Bench:
 
 
 def measure(args: argparse.Namespace, device: Device, run: str) -> Result:
-    if run == OURS:
-        configure_backends(device)  # as an hpo worker sets up its process
+    if run != OURS:
+        bench = load_bench(args, device)
+        warm_up(bench.store, args, device)
+        return run_trainer(bench, run)
+    configure_backends(device)  # as an hpo worker sets up its process
     bench = load_bench(args, device)
-    if run == OURS:
-        # As a worker does once its models and tokens are loaded: what it holds for good
-        # leaves the garbage collector's sight, so its full collections stay short.
-        bench.store.build(args.model, len(SYMPTOMS), seed=0)
-        freeze_long_lived()
-    warm_up(bench.store, args, device)
-    return run_ours(bench, run) if run == OURS else run_trainer(bench, run)
+    bench.store.build(args.model, len(SYMPTOMS), seed=0)
+    # As a worker does once its models and tokens are loaded: what it holds for good leaves
+    # the garbage collector's sight while it trains, so its full collections stay short.
+    with long_lived_frozen():
+        warm_up(bench.store, args, device)
+        return run_ours(bench, run)
 
 
 def measure_in_child(argv: list[str], run: str) -> Result:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import gc
 import importlib.util
 import os
 import re
@@ -127,14 +126,6 @@ def token_cache_dir(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "hpo-cache"
     monkeypatch.setenv("HPO_CACHE_DIR", str(directory))
     return directory / "tokens"
-
-
-@pytest.fixture(autouse=True)
-def unfrozen_objects():
-    """An in-process `hpo run` freezes what it holds (`memory.freeze_long_lived`); each test
-    gives the collector its objects back, so a later test's garbage is collected as usual."""
-    yield
-    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)

@@ -109,20 +109,29 @@ def test_memory_is_released_after_a_failed_probe_only(monkeypatch):
     assert len(released) == 1
 
 
-def test_frozen_objects_leave_the_collectors_sight_and_later_cycles_are_still_collected():
+def test_objects_are_frozen_within_the_block_and_given_back_after():
     class Node:
         pass
 
-    memory.freeze_long_lived()  # conftest's unfrozen_objects gives them back after the test
-    frozen = gc.get_freeze_count()
-    assert frozen > 0
-    a, b = Node(), Node()
-    a.other, b.other = b, a  # a cycle made after the freeze
-    gone = weakref.ref(a)
-    del a, b
+    kept = Node()
+    kept.itself = kept
+    with memory.long_lived_frozen():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle made in the block is collected as usual
+        made_within = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert made_within() is None
+        frozen_cycle = weakref.ref(kept)
+        del kept  # a cycle frozen at the start is not, until the block ends
+        gc.collect()
+        assert frozen_cycle() is not None
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
     gc.collect()
-    assert gone() is None
-    assert gc.get_freeze_count() == frozen
+    assert frozen_cycle() is None
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import pytest
 from conftest import start_worker, trial_states
 from optuna.trial import TrialState
 
+from hpo import worker
 from hpo.cli import main
 from hpo.config import load
 from hpo.errors import Terminated
@@ -162,12 +163,22 @@ def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_pat
     assert search("uninterrupted.db", (6,)) == restarted
 
 
-def test_run_on_each_backend(tiny_study, any_storage):
+def test_run_on_each_backend(tiny_study, any_storage, monkeypatch):
+    frozen_at_trials = []
+    execute = worker.execute
+
+    def counted(*args, **kwargs):
+        frozen_at_trials.append(gc.get_freeze_count())
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "execute", counted)
     assert main(["run", "--config", str(tiny_study), "--storage", any_storage,
                  "--n-trials", "2"]) == 0
     assert trial_states(any_storage)[TrialState.COMPLETE] == 2
-    # What the worker held before its trials is out of the collector's sight.
-    assert gc.get_freeze_count() > 0
+    # What the worker held before its trials was out of the collector's sight while they ran,
+    # and is back in it once the worker is done.
+    assert len(frozen_at_trials) == 2 and all(n > 0 for n in frozen_at_trials)
+    assert gc.get_freeze_count() == 0
 
 
 def test_tiny_validation_data_and_a_best_below_the_baseline_are_warned_of(tiny_study, tmp_path,

@@ -128,11 +128,10 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
-    memory.freeze_long_lived()
     if not config.data.cv_folds:
         resources.keeper = artifacts.keeper_for(config, payload["url"])
     live = LiveTrial(optuna.trial.Trial(study, trial_id))
-    with heartbeat(storage, live):
+    with memory.long_lived_frozen(), heartbeat(storage, live):
         outcome, told = execute(study, live, resources, ConsoleReporter(),
                                 shared_batch_cache(study, storage), attempt)
     sender.send((outcome, told._trial_id))

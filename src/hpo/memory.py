@@ -9,11 +9,12 @@ by taking the tighter bounds, so concurrent writers cannot widen them; the study
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -66,15 +67,24 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def freeze_long_lived() -> None:
-    """Take every object alive now (imported modules, tokenizers, preloaded weights and
-    tokens: what a worker holds for its whole life) out of the garbage collector's sight.
-    A full collection walks every tracked object: 0.17 s on a worker holding two models,
-    paid at each `release_memory` and at each of the full collections Python starts on its
-    own during training (26 in a 4-trial demo run, 4.5 s in all). After this, collections
-    walk only what trials create."""
+@contextlib.contextmanager
+def long_lived_frozen() -> Iterator[None]:
+    """Within the block, every object alive at its start (imported modules, tokenizers,
+    preloaded weights and tokens: what a worker holds for its whole life) is out of the
+    garbage collector's sight. A full collection walks every tracked object: 0.17 s on a
+    worker holding two models, paid at each `release_memory` and at each of the full
+    collections Python starts on its own during training (26 in a 4-trial demo run, 4.5 s
+    in all); in the block, collections walk only what trials create. At its end the
+    collector gets them all back (Python unfreezes every frozen object at once), so a
+    process that goes on after its worker (a notebook, a test run) collects them again:
+    objects frozen in a reference cycle, such as a storage and its pooled connections,
+    would otherwise never be freed."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def fits(step: Callable[[int], None], batch: int) -> bool:

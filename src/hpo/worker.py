@@ -147,33 +147,33 @@ def work(
             f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
             f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
         )
-    memory.freeze_long_lived()
-    verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
-                else check.stored(study, device))
-    decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
-                                config.study.precision_tolerance)
-    if decided.decided != pinned.decided:
-        reporter.message(describe_decision(decided))
-    stored_tolerance = (decided.decided or {}).get("tolerance")
-    if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
-        reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
-                         f"not applied: the study decided its precisions with "
-                         f"{stored_tolerance:g} (a new study decides again)")
-    pinned = resources.pinned = decided
-    objective = config.study.objective
-    baseline = resources.baseline().get(objective)
-    study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
-    study.set_user_attr("objective", objective)
-    run_trial = (
-        isolation.in_child(config, pinned, device, url, storage)
-        if config.training.isolate_trials else in_process(resources, reporter, storage)
-    )
-    seeded = config.study.sampler.seed is not None
-    result = run_worker(
-        study, storage, run_trial, reporter, n_trials=n_trials, timeout=timeout,
-        max_consecutive_failures=config.study.max_consecutive_failures,
-        sampler_for=functools.partial(make_sampler, config) if seeded else None,
-    )
+    with memory.long_lived_frozen():
+        verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
+                    else check.stored(study, device))
+        decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
+                                    config.study.precision_tolerance)
+        if decided.decided != pinned.decided:
+            reporter.message(describe_decision(decided))
+        stored_tolerance = (decided.decided or {}).get("tolerance")
+        if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
+            reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
+                             f"not applied: the study decided its precisions with "
+                             f"{stored_tolerance:g} (a new study decides again)")
+        pinned = resources.pinned = decided
+        objective = config.study.objective
+        baseline = resources.baseline().get(objective)
+        study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
+        study.set_user_attr("objective", objective)
+        run_trial = (
+            isolation.in_child(config, pinned, device, url, storage)
+            if config.training.isolate_trials else in_process(resources, reporter, storage)
+        )
+        seeded = config.study.sampler.seed is not None
+        result = run_worker(
+            study, storage, run_trial, reporter, n_trials=n_trials, timeout=timeout,
+            max_consecutive_failures=config.study.max_consecutive_failures,
+            sampler_for=functools.partial(make_sampler, config) if seeded else None,
+        )
     reporter.message(f"this worker ran {result.ran} trials; the study has "
                      f"{result.finished} finished")
     reporter.best(study)
