@@ -123,7 +123,7 @@ def check_all(resources: Resources, precisions: tuple[str, ...],
     training section's rank and dropout). With more than one precision, their step times are
     taken over ROUNDS rounds in turn and each combination keeps its fastest round."""
     todo = [c for c in combinations(resources, precisions) if c not in skip]
-    verdicts = {}
+    verdicts: dict[tuple[str, str, str], Verdict] = {}
     for combination in todo:
         verdicts[combination] = check_one(resources, *combination)
         memory.release_memory()  # the step's tensors are gone with check_one
