@@ -116,8 +116,7 @@ def test_objects_are_frozen_within_the_block_and_given_back_after():
     kept = Node()
     kept.itself = kept
     with memory.long_lived_frozen():
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert gc.get_freeze_count() > 0
         a, b = Node(), Node()
         a.other, b.other = b, a  # a cycle made in the block is collected as usual
         made_within = weakref.ref(a)
@@ -127,8 +126,10 @@ def test_objects_are_frozen_within_the_block_and_given_back_after():
         frozen_cycle = weakref.ref(kept)
         del kept  # a cycle frozen at the start is not, until the block ends
         gc.collect()
+        # Still frozen: collecting in the block gives back nothing frozen. (The freeze count
+        # is no measure of that: a frozen object that another thread or a finalizer lets go
+        # of is freed by its reference count and leaves the count, as one CI run saw.)
         assert frozen_cycle() is not None
-        assert gc.get_freeze_count() == frozen
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert frozen_cycle() is None
