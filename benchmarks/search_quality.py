@@ -379,8 +379,6 @@ def render(results: dict, plot: Path) -> str:
             chosen = sorted((r for r in variants if r["label"] == label),
                             key=lambda r: r["seed"])
             bests = [best_by(first_n(r["trials"], n), float("inf")) or 0 for r in chosen]
-            # Head to head with hpo's default on the same seed: the variant's best when the
-            # default had run its trial budget, against the default's.
             heads = [head_to_head(r, default[("hpo", r["seed"])], n) for r in chosen]
             cells = ["-" if label == "default" else f"{sum(heads)} of {len(heads)}"]
             for tool in peers:
