@@ -55,6 +55,29 @@ def test_adapters_and_the_head_are_all_that_trains(replica, family, method):
     assert trainable == sum(model.get_parameter(n).numel() for n in trains) and trainable < total
 
 
+def test_adapters_start_from_the_training_seed_whatever_the_process_drew_before(tiny_model):
+    # `hpo final` retrains a trial's configuration in a process that drew other random numbers
+    # first (no check, no batch search); its adapters must start where the trial's did.
+    training = TrainingConfig(peft="lora", seed=3)
+    store = ModelStore()
+    store.build(str(tiny_model), 9, seed=training.seed)  # the head, seeded on first use
+
+    def adapter_weights(draws: int) -> dict[str, torch.Tensor]:
+        torch.rand(draws)
+        before = torch.get_rng_state()
+        model = adapters.build(store, str(tiny_model), 9, training, "none")
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's stream is untouched
+        return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_A" in n}
+
+    first, second = adapter_weights(1), adapter_weights(1000)
+    assert first and first.keys() == second.keys()
+    assert all(torch.equal(first[n], second[n]) for n in first)
+    other_seed = adapters.build(store, str(tiny_model), 9, TrainingConfig(peft="lora", seed=4),
+                                "none")
+    assert not all(torch.equal(p, first[n]) for n, p in other_seed.named_parameters()
+                   if n in first)
+
+
 def test_the_optimizer_holds_only_what_trains(tiny_model):
     from hpo.train import Plan, make_optimizer
 

@@ -65,10 +65,14 @@ def attach(model: PreTrainedModel, training: TrainingConfig, precision: str) -> 
         target_modules=training.lora_target_modules or "all-linear",
         modules_to_save=head_modules(model),
     )
-    with warnings.catch_warnings():
+    # The adapters' random initialisation from the training seed, not from whatever the
+    # process drew before (a check, a batch search): `hpo final` and every worker then
+    # start a configuration from the same weights as its trial did.
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         # peft 0.21 asks transformers 5 for its deprecated `is_gradient_checkpointing`.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
                                 category=FutureWarning)
+        torch.manual_seed(training.seed)
         adapted = get_peft_model(model, config, autocast_adapter_dtype=True)
     for param in adapted.parameters():
         if param.requires_grad:
