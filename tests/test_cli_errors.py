@@ -189,7 +189,7 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("case", ["help", "study", "fault", "data"])
+@pytest.mark.parametrize("case", ["help", "study", "fault", "data", "storage"])
 def test_mistakes_found_without_torch_are_reported_before_loading_it(study_file, tmp_path, case):
     # Loading torch and transformers takes seconds; a typo should not wait for it.
     args, env = {
@@ -199,6 +199,8 @@ def test_mistakes_found_without_torch_are_reported_before_loading_it(study_file,
                   {"HPO_FAULT_OOM_AT_STEP": "two"}),
         "data": (["run", "--config", str(study_file(
             lambda d: d["data"].update(dir=str(tmp_path / "nowhere")))), "--n-trials", "1"], {}),
+        "storage": (["final", "--study", "demo", "--storage", f"sqlite:///{tmp_path / 'typo.db'}"],
+                    {}),
     }[case]
     result = subprocess.run([sys.executable, "-c", NO_TORCH, *args], cwd=REPO,
                             capture_output=True, text=True, timeout=120,

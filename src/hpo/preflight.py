@@ -60,12 +60,15 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) 
     """The study file, data, models and device checked, then the storage opened. On a host
     that runs trials every precision the study searches must be native to the device; a
     command that reads an `existing` search refuses a SQLite file that is not there."""
-    from hpo import faults
+    from hpo import faults, storage
     from hpo.data.redsm5 import read_redsm5
     from hpo.data.splits import check_folds, split_posts
 
     config = load_config(ref)
     faults.check_environment()
+    url = storage.storage_url(ref.storage, config.study.storage)
+    if existing:
+        refuse_missing(url)  # before seconds of reading data and loading models
     data = config.data
     posts = read_redsm5(data.dir, special_case=data.special_case)
     splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
@@ -74,7 +77,7 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) 
 
     import optuna
 
-    from hpo import hardware, models, space, storage
+    from hpo import hardware, models, space
 
     models.quiet_transformers()
     models.check_loadable(config.search_space.model_name, data.max_length)
@@ -82,9 +85,6 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) 
     if runs_trials:
         space.check_device(config, device)  # refuses emulated precisions before I/O
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = storage.storage_url(ref.storage, config.study.storage)
-    if existing:
-        refuse_missing(url)
     opened = storage.open_storage(
         url, heartbeat_interval=config.study.heartbeat_interval,
         grace_period=config.study.grace_period, max_retry=config.study.max_retry,
