@@ -46,8 +46,10 @@ def test_a_child_killed_as_by_the_oom_killer_prunes_its_trial_and_lowers_the_bat
     # The kernel's OOM killer sends SIGKILL; the injected fault does so above 6 samples.
     monkeypatch.setenv("HPO_FAULT_KILL_ABOVE_BATCH", "6")
     storage = f"sqlite:///{tmp_path / 'killed.db'}"
+    began = time.perf_counter()
     assert run(one_model_study, storage, 3, "--set", "training.isolate_trials=true",
                "--set", "search_space.target_effective_batch_size=[8]") == 0
+    wall = time.perf_counter() - began
     study = optuna.load_study(study_name="tiny", storage=storage)
     trials = sorted(study.trials, key=lambda t: t.number)
     assert [t.state for t in trials] == [TrialState.PRUNED, TrialState.PRUNED,
@@ -57,6 +59,8 @@ def test_a_child_killed_as_by_the_oom_killer_prunes_its_trial_and_lowers_the_bat
         assert f"killed by SIGKILL (as the OOM killer does) at micro-batch {batch}" in \
             killed.user_attrs["error"]
         assert killed.user_attrs["batch_limit_after_oom"]["smallest_fail"] == batch
+        # Told by the parent, with the time its child spent, as a trial told in-process.
+        assert 0 < killed.user_attrs["trial_seconds"] < wall
     assert trials[2].user_attrs["physical_batch_size"] <= 6
     (limit,) = [v for k, v in study.user_attrs.items() if k.startswith("batch_limit:")]
     assert limit == {"largest_ok": 6, "smallest_fail": 7}

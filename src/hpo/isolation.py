@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import time
 from typing import Any
 
 import optuna
@@ -59,6 +60,7 @@ def in_child(
             target=_child_main,
             args=(payload, trial._trial_id, os.getpid(), attempt, sender), daemon=True,
         )
+        started = time.perf_counter()
         child.start()
         sender.close()
         try:
@@ -81,7 +83,8 @@ def in_child(
             return as_told(frozen), frozen
         tried = attempt.read()
         outcome = outcome_of(trial.number, ChildDied(child.exitcode, tried))
-        return tell(study, live, outcome, shared_batch_cache(study, storage), tried=tried)
+        return tell(study, live, outcome, shared_batch_cache(study, storage), tried=tried,
+                    started=started)
 
     return run
 
