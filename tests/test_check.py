@@ -144,20 +144,24 @@ def test_check_on_the_demo_study(tmp_path):
     assert "unusable" not in result.stdout
 
 
-def _resources(study_file, storage: str, precisions: tuple[str, ...]):
+def _resources(study_file, storage: str, precisions: tuple[str, ...],
+               declared_precision: str | list[str] = "auto"):
     prepared = prepare(StudyRef(config=study_file, storage=storage), runs_trials=False)
-    declared = {"model_name": [str(m) for m in prepared.config.search_space.model_name]}
+    declared = {"model_name": [str(m) for m in prepared.config.search_space.model_name],
+                "fp_precision": declared_precision}
     return load_resources(prepared.config, PinnedSpace(declared, precisions),
                           prepared.device, prepared.splits)
 
 
-@pytest.mark.parametrize("precisions", [("bf16", "none"), ("none",)])
+@pytest.mark.parametrize(("precisions", "declared"), [
+    (("bf16", "none"), "auto"), (("none",), "auto"), (("bf16", "none"), ["bf16", "none"])])
 def test_precisions_are_timed_in_rounds_in_turn_and_a_burst_of_load_does_not_decide(
-        tiny_study, storage, monkeypatch, precisions):
+        tiny_study, storage, monkeypatch, precisions, declared):
     """A burst of load on a shared host during one combination's first steps once made bf16
     look slower than fp32 where it is 1.5x faster, and `auto` dropped it. A burst is faked
-    here as a pause in the first round of bf16's steps on the first model."""
-    resources = _resources(tiny_study, storage, precisions)
+    here as a pause in the first round of bf16's steps on the first model. A pinned list
+    decides nothing by step times, so one round times it."""
+    resources = _resources(tiny_study, storage, precisions, declared)
     calls: list[tuple[str, str]] = []
     first_model = resources.pinned.declared["model_name"][0]
     real_step = check.probe_step
@@ -173,12 +177,13 @@ def test_precisions_are_timed_in_rounds_in_turn_and_a_burst_of_load_does_not_dec
     monkeypatch.setattr(check, "probe_step", step)
     verdicts = {(v.model, v.precision): v for v in check.check_all(resources, precisions)}
     assert all(v.usable for v in verdicts.values())
-    rounds = check.ROUNDS if len(precisions) > 1 else 1
+    in_rounds = declared == "auto" and len(precisions) > 1
+    rounds = check.ROUNDS if in_rounds else 1
     # One round: the first (untimed) step and the timed ones; each later one a fresh model's
     # untimed step and the timed ones again.
     for combination in verdicts:
         assert calls.count(combination) == rounds * (1 + check.TIMED_STEPS)
-    if len(precisions) > 1:
+    if in_rounds:
         assert verdicts[(first_model, "bf16")].step_seconds < 0.5
         # In turn: the second round runs the combinations in reverse order.
         per_round = 1 + check.TIMED_STEPS

@@ -1,7 +1,7 @@
 """Real training steps per model x precision (x adapter method, where the space searches
 `peft`) before the search spends GPU hours: one of two sequences, then three more, timed,
-whose time per sequence `fp_precision: auto` goes by (with several precisions, timed again in
-turn and the fastest round kept, so a passing load does not decide).
+whose time per sequence `fp_precision: auto` goes by (with several precisions to choose from,
+timed again in turn and the fastest round kept, so a passing load does not decide).
 
 A combination whose model cannot be built, whose step raises or whose loss or predictions are
 not finite is unusable: the trials that sample it are pruned at once with
@@ -36,7 +36,8 @@ BATCH = 2
 # batch: a larger one could meet the OOM killer before any trial, where two sequences are
 # what the check already showed the device holds.
 TIMED_STEPS = 3
-# With more than one precision checked, each combination is timed in this many rounds, taken
+# With more than one precision for `auto` to choose from, each combination is timed in this
+# many rounds, taken
 # in turn (every other round in reverse order), and keeps its fastest: `auto` keeps a
 # precision by how its step time compares with another's, and a burst of load on a shared
 # host during one combination's few steps once dropped the faster precision (bf16 timed
@@ -120,15 +121,18 @@ def combinations(resources: Resources, precisions: tuple[str, ...]) -> list[tupl
 def check_all(resources: Resources, precisions: tuple[str, ...],
               skip: frozenset[tuple[str, str, str]] = frozenset()) -> Iterator[Verdict]:
     """A verdict per combination not in `skip`, one real step each (adapters at the
-    training section's rank and dropout). With more than one precision, their step times are
-    taken over ROUNDS rounds in turn and each combination keeps its fastest round."""
+    training section's rank and dropout). With more than one precision for `auto` to choose
+    from, their step times are taken over ROUNDS rounds in turn and each combination keeps its
+    fastest round."""
     todo = [c for c in combinations(resources, precisions) if c not in skip]
     verdicts: dict[tuple[str, str, str], Verdict] = {}
     for combination in todo:
         verdicts[combination] = check_one(resources, *combination)
         memory.release_memory()  # the step's tensors are gone with check_one
     timed = [c for c in todo if verdicts[c].usable and verdicts[c].step_batch]
-    if len({precision for _, precision, _ in timed}) > 1:
+    # Only `auto` keeps precisions by their step times; a pinned list's are only shown.
+    compared = resources.pinned.declared.get("fp_precision") == "auto"
+    if compared and len({precision for _, precision, _ in timed}) > 1:
         for turn in range(1, ROUNDS):
             for combination in timed[::-1] if turn % 2 else timed:
                 verdict = verdicts[combination]
