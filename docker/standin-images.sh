@@ -98,8 +98,8 @@ fi
 exec setpriv --reuid=postgres --regid=postgres --init-groups "$@"
 ENTRYPOINT
   chmod 755 "$work/docker-entrypoint.sh"
-  # The official image's STOPSIGNAL (SIGINT, a fast shutdown) cannot be set by `docker import`:
-  # SIGTERM asks for a smart one, which compose's stop order (workers first) makes as quick.
+  # The official image's STOPSIGNAL (SIGINT, a fast shutdown) cannot be set by `docker import`;
+  # docker-compose.yml sets it for the service.
   # Debian's package creates a cluster of its own at install; the entrypoint makes the one used.
   debian_rootfs --include="postgresql-$PG_MAJOR" \
     --customize-hook="copy-in $work/docker-entrypoint.sh /usr/local/bin" \

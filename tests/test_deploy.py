@@ -118,6 +118,7 @@ def test_compose_postgres_is_pinned_and_has_a_pg_isready_healthcheck(compose):
     assert postgres["environment"]["POSTGRES_PASSWORD"] == PASSWORD
     assert postgres["environment"]["POSTGRES_USER"] == "hpo"
     assert postgres["environment"]["POSTGRES_DB"] == "hpo"
+    assert postgres["stop_signal"] == "SIGINT"  # a fast shutdown, on a stand-in image too
 
 
 def test_compose_start_order(compose):
