@@ -3,6 +3,7 @@ import random
 import pytest
 from conftest import DEMO_DATA
 
+from hpo.data import batching
 from hpo.data.batching import (
     Collator,
     Encoded,
@@ -38,13 +39,24 @@ def test_steps_are_reproducible_and_vary_by_epoch():
     assert a != training_steps(lengths, 16, 4, seed=3, epoch=2)
 
 
-def test_a_steps_samples_change_from_epoch_to_epoch():
-    # Sorting a whole epoch by length would give a step the same company every epoch.
+def repeated_steps(lengths: list[int], effective: int, seed: int) -> float:
+    """The share of epoch 1's steps whose samples form a step of epoch 2 as well."""
+    first, second = ({frozenset(i for micro in step for i in micro)
+                      for step in training_steps(lengths, effective, effective, seed=seed,
+                                                 epoch=epoch)}
+                     for epoch in (1, 2))
+    return len(first & second) / len(first)
+
+
+@pytest.mark.parametrize("effective", [8, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_most_steps_change_company_from_epoch_to_epoch(effective, seed, monkeypatch):
+    # 400 samples fill whole steps, so no left-out sample varies them: the noise must.
     lengths = long_tailed_lengths(400)
-    first, second = ([frozenset(i for micro in step for i in micro)
-                      for step in training_steps(lengths, 16, 16, seed=1, epoch=epoch)]
-                     for epoch in (0, 1))
-    assert not set(first) & set(second)
+    assert repeated_steps(lengths, effective, seed) <= 0.15  # outliers of the tail may not
+    # Sorted exactly, a step of samples of distinct lengths keeps its company.
+    monkeypatch.setattr(batching, "LENGTH_NOISE", 0.0)
+    assert repeated_steps(lengths, effective, seed) >= 0.3
 
 
 def padding_efficiency(lengths, batches) -> float:
