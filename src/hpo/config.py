@@ -378,7 +378,7 @@ class TrainingConfig(_Section):
     """Run each model through `torch.compile` (inductor, dynamic shapes); a model the
     compiler fails on trains eagerly, with a warning."""
     seed: int = 42
-    """Seeds a trial's model head, dropout and batch order."""
+    """Seeds a trial's model head, adapters (their initial weights), dropout and batch order."""
     device: str = "auto"
     """`auto` (the GPU if there is one), `cpu`, `cuda` or `cuda:N`."""
     isolate_trials: bool = False
