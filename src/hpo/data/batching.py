@@ -138,8 +138,8 @@ def training_steps(
     order = list(range(len(lengths)))
     rng.shuffle(order)
     kept = order[: len(order) - len(order) % effective]
-    blurred = {i: lengths[i] * rng.uniform(1 - LENGTH_NOISE, 1 + LENGTH_NOISE) for i in kept}
-    ranked = sorted(kept, key=lambda i: -blurred[i])
+    ranked = sorted(kept, key=lambda i: -lengths[i] * rng.uniform(1 - LENGTH_NOISE,
+                                                                1 + LENGTH_NOISE))
     steps: list[Step] = []
     for s in range(0, len(ranked), effective):
         step = ranked[s : s + effective]
