@@ -108,19 +108,19 @@ def test_widths_round_up_to_the_multiple_but_never_past_the_longest_example():
     import torch
 
     data = Encoded.pack([(5,) * 3, (6,) * 17, (7,) * 140], None, torch.zeros((3, 1)))
-    collate = Collator(data, pad_id=0)  # the longest is 140: widths are multiples of 16
-    assert collate([0])["input_ids"].shape == (1, 16)
-    assert collate([0, 1])["input_ids"].shape == (2, 32)
+    collate = Collator(data, pad_id=0)  # the longest is 140: widths are multiples of 8
+    assert collate([0])["input_ids"].shape == (1, 8)
+    assert collate([0, 1])["input_ids"].shape == (2, 24)
     assert collate([2, 0])["input_ids"].shape == (2, 140)  # 144 would pass the longest
     assert collate([0])["attention_mask"].sum() == 3
     assert padded_width(32, 16, 512) == 32
 
 
-@pytest.mark.parametrize(("longest", "multiple"), [(1, 8), (64, 8), (128, 8), (129, 16),
-                                                   (256, 16), (512, 32)])
-def test_the_multiple_keeps_at_most_16_widths(longest, multiple):
+@pytest.mark.parametrize(("longest", "multiple"), [(1, 8), (64, 8), (256, 8), (257, 16),
+                                                   (512, 16), (1024, 32)])
+def test_the_multiple_keeps_at_most_32_widths(longest, multiple):
     assert pad_multiple(longest) == multiple
-    assert len({padded_width(n, multiple, longest) for n in range(1, longest + 1)}) <= 16
+    assert len({padded_width(n, multiple, longest) for n in range(1, longest + 1)}) <= 32
 
 
 def test_demo_posts_are_long_tailed():
