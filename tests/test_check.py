@@ -3,6 +3,7 @@ study per kind of device; a combination found unusable is pruned without trainin
 study with nothing usable stops at once. Real tiny models; the non-finite loss is injected
 (HPO_FAULT_NAN_LOSS)."""
 
+import gc
 import os
 import re
 import subprocess
@@ -32,8 +33,20 @@ def verdicts(storage: str) -> list[check.Verdict]:
 
 
 def test_check_prints_a_table_and_keeps_the_verdicts_in_the_study(tiny_study, storage,
-                                                                   capsys):
+                                                                   capsys, monkeypatch):
+    frozen_during = []
+    check_one = check.check_one
+
+    def counted(*args, **kwargs):
+        frozen_during.append(gc.get_freeze_count())
+        return check_one(*args, **kwargs)
+
+    monkeypatch.setattr(check, "check_one", counted)
     assert main(["check", "--config", str(tiny_study), "--storage", storage]) == 0
+    # As in a worker, what the process held was out of the collector's sight during the
+    # check (its collections between combinations stay short), and is back once it is done.
+    assert frozen_during and all(n > 0 for n in frozen_during)
+    assert gc.get_freeze_count() == 0
     out = capsys.readouterr().out
     assert "model" in out and "s/step" in out and "attention" in out
     kept = verdicts(storage)

@@ -62,6 +62,7 @@ def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, 
     """The study's check on this host's device, for the pinned precisions it runs natively;
     `fresh` runs it even if a worker on this kind of device already has."""
     from hpo import check as check_module
+    from hpo import memory
     from hpo.hardware import native_precisions
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
@@ -78,7 +79,10 @@ def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, 
     resources = load_resources(prepared.config, here, device, prepared.splits)
     if fresh:
         optuna_study.set_user_attr(check_module.key(device), None)
-    verdicts = check_module.ensure(optuna_study, resources, precisions, ConsoleReporter())
+    # As in a worker: the imported modules and loaded models out of the collector's sight, so
+    # the check's collections between combinations (0.2 s each unfrozen) walk only its own.
+    with memory.long_lived_frozen():
+        verdicts = check_module.ensure(optuna_study, resources, precisions, ConsoleReporter())
     usable = sum(v.usable for v in verdicts)
     print(f"{usable} of {len(verdicts)} model x precision combinations usable on "
           f"{device.describe()}; the study keeps the verdicts for this kind of device")
