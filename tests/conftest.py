@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import gc
 import importlib.util
 import os
 import re
@@ -277,6 +278,20 @@ def run_in_process(study_file: Path, storage: str, n: int, *extra: str) -> int:
 
     return main(["run", "--config", str(study_file), "--storage", storage,
                  "--n-trials", str(n), *extra])
+
+
+def freeze_counts(monkeypatch, owner, name: str) -> list[int]:
+    """Wraps `owner.name`: the list gets, at each call, how many objects were frozen out of
+    the garbage collector's sight (`memory.long_lived_frozen`)."""
+    counts: list[int] = []
+    wrapped = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts.append(gc.get_freeze_count())
+        return wrapped(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return counts
 
 
 def trials_of(storage: str, name: str = "tiny") -> list[optuna.trial.FrozenTrial]:

@@ -12,7 +12,7 @@ import time
 
 import optuna
 import pytest
-from conftest import A100, REPO, T4
+from conftest import A100, REPO, T4, freeze_counts
 from optuna.trial import TrialState
 
 from hpo import check
@@ -34,14 +34,7 @@ def verdicts(storage: str) -> list[check.Verdict]:
 
 def test_check_prints_a_table_and_keeps_the_verdicts_in_the_study(tiny_study, storage,
                                                                    capsys, monkeypatch):
-    frozen_during = []
-    check_one = check.check_one
-
-    def counted(*args, **kwargs):
-        frozen_during.append(gc.get_freeze_count())
-        return check_one(*args, **kwargs)
-
-    monkeypatch.setattr(check, "check_one", counted)
+    frozen_during = freeze_counts(monkeypatch, check, "check_one")
     assert main(["check", "--config", str(tiny_study), "--storage", storage]) == 0
     # As in a worker, what the process held was out of the collector's sight during the
     # check (its collections between combinations stay short), and is back once it is done.

@@ -9,7 +9,7 @@ from collections import Counter
 
 import optuna
 import pytest
-from conftest import start_worker, trial_states
+from conftest import freeze_counts, start_worker, trial_states
 from optuna.trial import TrialState
 
 from hpo import worker
@@ -164,14 +164,7 @@ def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_pat
 
 
 def test_run_on_each_backend(tiny_study, any_storage, monkeypatch):
-    frozen_at_trials = []
-    execute = worker.execute
-
-    def counted(*args, **kwargs):
-        frozen_at_trials.append(gc.get_freeze_count())
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(worker, "execute", counted)
+    frozen_at_trials = freeze_counts(monkeypatch, worker, "execute")
     assert main(["run", "--config", str(tiny_study), "--storage", any_storage,
                  "--n-trials", "2"]) == 0
     assert trial_states(any_storage)[TrialState.COMPLETE] == 2
