@@ -1,5 +1,6 @@
 """Trials in child processes: the same results as in-process, and no orphans."""
 
+import json
 import multiprocessing
 import os
 import signal
@@ -39,6 +40,61 @@ def test_child_process_trials_match_in_process_ones(tiny_study, tmp_path):
         assert set(x.user_attrs) == set(y.user_attrs)
         assert x.user_attrs["physical_batch_size"] == y.user_attrs["physical_batch_size"]
         assert x.user_attrs["worker"] != y.user_attrs["worker"]  # y ran in another process
+
+
+# Loaded by every Python process started with the test's PYTHONPATH, so by the spawned child
+# alone: it logs the child's freezes, unfreezes and full collections, each with how many
+# objects were frozen at that moment.
+GC_LOGGER = """
+import gc, json, os
+_log = os.environ["HPO_TEST_GC_LOG"]
+_freeze, _unfreeze, _collect = gc.freeze, gc.unfreeze, gc.collect
+
+def _record(event):
+    with open(_log, "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "event": event,
+                            "frozen": gc.get_freeze_count()}) + "\\n")
+
+def freeze():
+    _freeze()
+    _record("freeze")
+
+def unfreeze():
+    _record("unfreeze")
+    _unfreeze()
+
+def collect(*args, **kwargs):
+    _record("collect")
+    return _collect(*args, **kwargs)
+
+gc.freeze, gc.unfreeze, gc.collect = freeze, unfreeze, collect
+"""
+
+
+def test_a_child_runs_its_trial_with_what_it_loaded_frozen(tiny_study, tmp_path, monkeypatch):
+    """As a worker does in-process (test_worker), the child freezes what it loaded before its
+    trial, so the trial's collections walk only what the trial made, and unfreezes after."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(GC_LOGGER)
+    log = tmp_path / "gc.jsonl"
+    monkeypatch.setenv("HPO_TEST_GC_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    storage = f"sqlite:///{tmp_path / 'frozen.db'}"
+    assert run(tiny_study, storage, 1, "--set", "training.isolate_trials=true") == 0
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {e["pid"] for e in events} - {os.getpid()}, "the child logged nothing"
+    (child,) = {e["pid"] for e in events} - {os.getpid()}
+    kinds = [e["event"] for e in events if e["pid"] == child]
+    frozen = [e["frozen"] for e in events if e["pid"] == child]
+    assert kinds.count("freeze") == kinds.count("unfreeze") == 1
+    start, end = kinds.index("freeze"), kinds.index("unfreeze")
+    assert start < end and frozen[start] > 0
+    during = list(zip(kinds[start + 1:end], frozen[start + 1:end], strict=True))
+    # The trial releases its memory (a full collection) before it is told, with what the
+    # child loaded still frozen (fewer as some of it is freed).
+    assert "collect" in [kind for kind, _ in during]
+    assert all(n > 0 for _, n in during)
 
 
 def test_a_child_killed_as_by_the_oom_killer_prunes_its_trial_and_lowers_the_batch(
