@@ -43,6 +43,7 @@ import transformers
 from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
+from hpo.data import batching
 from hpo.data.batching import Encoded, encode
 from hpo.data.redsm5 import SYMPTOMS, Post, read_redsm5
 from hpo.data.tasks import Example, build_examples
@@ -262,6 +263,8 @@ def measure(args: argparse.Namespace, device: Device, run: str) -> Result:
         warm_up(bench.store, args, device)
         return run_trainer(bench, run)
     configure_backends(device)  # as an hpo worker sets up its process
+    if args.length_noise is not None:
+        batching.LENGTH_NOISE = args.length_noise
     bench = load_bench(args, device)
     bench.store.build(args.model, len(SYMPTOMS), seed=0)
     # As a worker does once its models and tokens are loaded: what it holds for good leaves
@@ -282,8 +285,7 @@ def measure_in_child(argv: list[str], run: str) -> Result:
     return Result(**fields)
 
 
-def main() -> None:
-    device = detect("cpu")
+def parser_for(device: Device) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--train", type=int, default=400)
     parser.add_argument("--validation", type=int, default=100)
@@ -298,8 +300,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=SEED, help="the synthetic posts' seed")
     parser.add_argument("--training-seed", type=int, default=SEED,
                         help="a child's one run; repeat k uses SEED + k")
+    parser.add_argument("--length-noise", type=float,
+                        help="hpo's row: batching.LENGTH_NOISE instead of its own (1e12 sorts "
+                             "the epoch by noise alone: batches in random order)")
     parser.add_argument("--only", choices=RUNS, help=argparse.SUPPRESS)  # a child's one run
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    device = detect("cpu")
+    args = parser_for(device).parse_args()
     quiet_transformers()
     if args.only:
         result = measure(args, device, args.only)
