@@ -5,7 +5,7 @@ tokens / tokens processed in training). Each configuration runs in a fresh proce
 
     PYTHONPATH=src python benchmarks/throughput.py [--train 400] [--validation 100]
         [--max-length 256] [--precision bf16|none] [--learning-rate 5e-5] [--epochs 2]
-        [--pos-weight balanced|none] [--repeats 1] [--model NAME_OR_DIR]
+        [--pos-weight balanced|none] [--repeats 1] [--model NAME_OR_DIR] [--length-noise X]
 
 Repeat k trains every configuration with training seed k (dropout and batch order; the
 classification head starts from seed 0 in every run): a training run this short is chaotic,
