@@ -56,7 +56,8 @@ def main() -> None:
     print("| training seed | sorted: macro-F1 | random: macro-F1 | sorted: micro-F1 | "
           "random: micro-F1 | sorted: samples/s | random: samples/s | padding, sorted / random |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for k, (s, r) in enumerate(zip(runs["sorted"], runs["random"], strict=True)):
+    pairs = list(zip(runs["sorted"], runs["random"], strict=True))  # by training seed
+    for k, (s, r) in enumerate(pairs):
         print(f"| {SEED + k} | {s.macro_f1:.4f} | {r.macro_f1:.4f} | {s.micro_f1:.4f} | "
               f"{r.micro_f1:.4f} | {s.samples_per_second:.2f} | {r.samples_per_second:.2f} | "
               f"{s.padding_efficiency:.3f} / {r.padding_efficiency:.3f} |")
@@ -64,10 +65,8 @@ def main() -> None:
                    for f in ("macro_f1", "micro_f1")} for name, rs in runs.items()}
     low, high = paired_bootstrap([p for x in runs["sorted"] for p in x.probabilities],
                                  [p for x in runs["random"] for p in x.probabilities], gold)
-    wins = sum(s.macro_f1 > r.macro_f1 for s, r in zip(runs["sorted"], runs["random"],
-                                                         strict=True))
-    speed = statistics.median(s.samples_per_second / r.samples_per_second
-                              for s, r in zip(runs["sorted"], runs["random"], strict=True))
+    wins = sum(s.macro_f1 > r.macro_f1 for s, r in pairs)
+    speed = statistics.median(s.samples_per_second / r.samples_per_second for s, r in pairs)
     print(f"\n- mean macro-F1 sorted **{mean['sorted']['macro_f1']:.4f}**, random "
           f"**{mean['random']['macro_f1']:.4f}** (micro-F1 {mean['sorted']['micro_f1']:.4f} "
           f"/ {mean['random']['micro_f1']:.4f}); sorted higher on {wins} of {args.repeats} "
