@@ -6,6 +6,7 @@ tokens / tokens processed in training). Each configuration runs in a fresh proce
     PYTHONPATH=src python benchmarks/throughput.py [--train 400] [--validation 100]
         [--max-length 256] [--precision bf16|none] [--learning-rate 5e-5] [--epochs 2]
         [--pos-weight balanced|none] [--repeats 1] [--model NAME_OR_DIR] [--length-noise X]
+        [--rows hpo max_length default grouped]
 
 Repeat k trains every configuration with training seed k (dropout and batch order; the
 classification head starts from seed 0 in every run): a training run this short is chaotic,
@@ -18,6 +19,12 @@ demo post (data/demo; it gives the labels) followed by label-free demo posts as 
 and validation take their labelled posts from disjoint halves of the demo. Samples/s counts
 training only (no tokenization, no evaluation); every run is scored by `hpo.train.predict`
 on its final model (threshold 0.5). Prints a markdown report for benchmarks/README.md.
+
+A goal's verdict is the median over training seeds of hpo's samples/s over the other row's at
+the same seed, not the ratio of the medians: the runs of one repeat follow each other within
+minutes, while a machine's speed drifts by 30% between hours (the Trainer's rows in a VM's
+first half hour). `--rows hpo grouped --repeats 4` runs only hpo's loop and the Trainer's best
+set-up, alternately, so that each pair is closer still.
 """
 
 from __future__ import annotations
@@ -244,6 +251,7 @@ def paired_bootstrap(a: list[torch.Tensor], b: list[torch.Tensor], gold: torch.T
 
 
 RUNS = (OURS, TRAINER_MAX, TRAINER_DEFAULT, TRAINER_GROUPED)
+ROWS = dict(zip(("hpo", "max_length", "default", "grouped"), RUNS, strict=True))
 
 
 def load_bench(args: argparse.Namespace, device: Device) -> Bench:
@@ -303,13 +311,19 @@ def parser_for(device: Device) -> argparse.ArgumentParser:
     parser.add_argument("--length-noise", type=float,
                         help="hpo's row: batching.LENGTH_NOISE instead of its own (1e12 sorts "
                              "the epoch by noise alone: batches in random order)")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
+                        help="the rows to run, hpo's among them (default: all four)")
     parser.add_argument("--only", choices=RUNS, help=argparse.SUPPRESS)  # a child's one run
     return parser
 
 
 def main() -> None:
     device = detect("cpu")
-    args = parser_for(device).parse_args()
+    parser = parser_for(device)
+    args = parser.parse_args()
+    chosen = [ROWS[key] for key in dict.fromkeys(args.rows)]
+    if OURS not in chosen or len(chosen) < 2:
+        parser.error("--rows: hpo and at least one Trainer row")
     quiet_transformers()
     if args.only:
         result = measure(args, device, args.only)
@@ -321,13 +335,14 @@ def main() -> None:
     train_data, val = bench.train_data, bench.val
     runs: dict[str, list[Result]] = {}
     for repeat in range(args.repeats):  # the order rotates, so no configuration is always first
-        for k in range(len(RUNS)):
-            run = RUNS[(k + repeat) % len(RUNS)]
+        for k in range(len(chosen)):
+            run = chosen[(k + repeat) % len(chosen)]
             argv = [*sys.argv[1:], "--training-seed", str(SEED + repeat)]
             runs.setdefault(run, []).append(measure_in_child(argv, run))
     results = {name: combined(rs) for name, rs in runs.items()}
-    ours, base = results[OURS], results[TRAINER_MAX]
-    trainers = [results[TRAINER_MAX], results[TRAINER_DEFAULT], results[TRAINER_GROUPED]]
+    ours = results[OURS]
+    trainers = [results[run] for run in RUNS if run in results and run != OURS]
+    base = trainers[0]
 
     words = [len(e.text.split()) for e in bench.train_examples + bench.val_examples]
     lengths = train_data.lengths + val.lengths
@@ -345,7 +360,7 @@ def main() -> None:
           f"{MAX_GRAD_NORM}, BCE with pos_weight {args.pos_weight}; {args.repeats} run(s) "
           f"each, each in a fresh process, run k with training seed {SEED} + k; samples/s, "
           "padding and train s the median over runs, scores the mean\n")
-    print(f"| run | samples/s | speed-up vs {TRAINER_MAX} | padding efficiency | macro-F1 | "
+    print(f"| run | samples/s | speed-up vs {base.run} | padding efficiency | macro-F1 | "
           "micro-F1 | train s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in (ours, *trainers):
@@ -356,7 +371,9 @@ def main() -> None:
     print()
     for other in trainers:
         low, high = paired_bootstrap(ours.probabilities, other.probabilities, val.labels)
-        speedup = ours.samples_per_second / other.samples_per_second
+        per_seed = [o.samples_per_second / t.samples_per_second
+                    for o, t in zip(runs[OURS], runs[other.run], strict=True)]
+        speedup = statistics.median(per_seed)
         label = "equal within noise" if low <= 0 <= high else "higher" if low > 0 else "LOWER"
         goal = ""
         if other.run in GOALS:
@@ -364,14 +381,16 @@ def main() -> None:
             goal = (f": goal >= {GOALS[other.run]}x at equal score "
                     f"**{'met' if met else 'NOT met'}**")
         # Three decimals: 1.146 printed as 1.15 read as a goal of 1.15 met.
-        print(f"- vs {other.run}: **{speedup:.3f}x** samples/s; macro-F1 difference "
+        print(f"- vs {other.run}: **{speedup:.3f}x** samples/s (the median over training "
+              f"seeds of {', '.join(f'{r:.3f}' for r in per_seed)}; ratio of the medians "
+              f"{ours.samples_per_second / other.samples_per_second:.3f}); macro-F1 difference "
               f"{ours.macro_f1 - other.macro_f1:+.4f} (95% paired bootstrap over validation "
               f"posts, seeds paired {low:+.4f} .. {high:+.4f}: {label}){goal}")
     if max(r.macro_f1 for r in (ours, *trainers)) < 0.05:
         print("- all runs score near 0: with plain BCE the model predicts no symptom yet, so "
               "equal scores say little here (try --pos-weight balanced)")
     print(f"- padding efficiency of the hpo loop **{ours.padding_efficiency:.3f}** "
-          f"(max_length padding {base.padding_efficiency:.3f}): goal >= 0.85 "
+          f"({base.run} {base.padding_efficiency:.3f}): goal >= 0.85 "
           f"**{'met' if ours.padding_efficiency >= 0.85 else 'NOT met'}**")
 
 
