@@ -116,11 +116,14 @@ def test_widths_round_up_to_the_multiple_but_never_past_the_longest_example():
     assert padded_width(32, 16, 512) == 32
 
 
-@pytest.mark.parametrize(("longest", "multiple"), [(1, 8), (64, 8), (256, 8), (257, 16),
-                                                   (512, 16), (1024, 32)])
-def test_the_multiple_keeps_at_most_32_widths(longest, multiple):
+@pytest.mark.parametrize(("longest", "multiple"), [(1, 1), (32, 1), (33, 2), (64, 2), (100, 4),
+                                                   (140, 8), (256, 8), (257, 16), (512, 16),
+                                                   (1024, 32)])
+def test_the_multiple_is_the_finest_power_of_two_that_keeps_at_most_32_widths(longest, multiple):
     assert pad_multiple(longest) == multiple
     assert len({padded_width(n, multiple, longest) for n in range(1, longest + 1)}) <= 32
+    if multiple > 1:  # and no finer one would
+        assert len({padded_width(n, multiple // 2, longest) for n in range(1, longest + 1)}) > 32
 
 
 def test_demo_posts_are_long_tailed():

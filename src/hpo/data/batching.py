@@ -9,7 +9,6 @@ sequence.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,15 +27,18 @@ from hpo.data.tasks import Example
 # them), 0.686 against 0.586 on the demo posts at 512 tokens, 0.904 against 0.899 at 64.
 LENGTH_NOISE = 0.05
 
-# Batch widths are rounded up to a multiple of 8 (16, 32, ... for longer data), the multiple
-# tensor cores want, so that a data set has at most MAX_WIDTHS distinct widths, never past its
-# longest example. Few shapes mean the kernels built per shape (oneDNN primitives on a CPU,
-# cuBLAS plans on a GPU) are reused instead of built and kept for every length: after its first
-# trial, a CPU worker that tried three new (model, precision, batch) settings grew by 60 MiB
-# instead of 270 MiB (demo data, widths rounded to 16, before oneDNN's caches were bounded).
-# 32 rather than 16 keeps multiples of 8 up to 256 tokens: on benchmarks/throughput.py's posts
-# 0.961 of the tokens processed are real instead of 0.952, 2.6% more samples/s (the median of
-# three pairs on the AMX Xeon), at the same peak memory.
+# Batch widths are rounded up to a multiple, the smallest power of two that leaves a data set
+# at most MAX_WIDTHS distinct widths (never past its longest example): 8 at 256 tokens, the
+# multiple tensor cores want, 16 at 512, but 2 at the demo's 64. Few shapes mean the kernels
+# built per shape (oneDNN primitives on a CPU, cuBLAS plans on a GPU) are reused instead of
+# built and kept for every length: after its first trial, a CPU worker that tried three new
+# (model, precision, batch) settings grew by 60 MiB instead of 270 MiB (demo data, widths
+# rounded to 16, before oneDNN's caches were bounded). 32 rather than 16 keeps multiples of 8
+# up to 256 tokens: on benchmarks/throughput.py's posts 0.961 of the tokens processed are real
+# instead of 0.952, 2.6% more samples/s (the median of three pairs on the AMX Xeon), at the same
+# peak memory. Short data are not held to multiples of 8: on the demo's training split at 64
+# tokens they left 0.909 of the tokens real in steps of 8, multiples of 2 leave 0.960, where the
+# Trainer's `group_by_length` pads to 0.953 (benchmarks/padding.py --study demo).
 MAX_WIDTHS = 32
 
 
@@ -181,7 +183,10 @@ class Collator:
 
 
 def pad_multiple(longest: int) -> int:
-    return 8 * max(1, math.ceil(longest / (8 * MAX_WIDTHS)))
+    multiple = 1
+    while multiple * MAX_WIDTHS < longest:
+        multiple *= 2
+    return multiple
 
 
 def padded_width(longest_in_batch: int, multiple: int, longest_overall: int) -> int:

@@ -1,0 +1,118 @@
+"""Padding alone, by data set size: the share of processed tokens that are real, in hpo's
+training batches against the Trainer's `group_by_length` and random batches, on
+benchmarks/throughput.py's synthetic posts. No training: on a GPU, where a step costs in
+proportion to the tokens it processes, the ratio of two efficiencies is the speed-up padding
+gives one loop over the other at equal kernels.
+
+    PYTHONPATH=src python benchmarks/padding.py [--sizes 400 1500 5000] [--epochs 10]
+        [--batches 16] [--max-length 256] [--model NAME_OR_DIR] [--study demo]
+
+`--study NAME` measures that study's training split at its max_length instead of the
+synthetic posts.
+
+hpo's batches come from `batching.training_steps` and are padded to `batching.padded_width`
+(multiples of 8), as its collator pads them; the Trainer's from its own `LengthGroupedSampler`
+(random mega-batches of `min(n // (4 * batch), 50)` batches, each sorted by length) and from a
+random permutation, each batch padded to its longest, as `DataCollatorWithPadding` pads it.
+Each is averaged over `--epochs` epochs (training seed 0, epoch k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from collections.abc import Iterable, Sequence
+
+import torch
+from throughput import corpus
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+from hpo import config
+from hpo.data.batching import encode, pad_multiple, padded_width, training_steps
+from hpo.data.redsm5 import read_redsm5
+from hpo.data.splits import split_posts
+from hpo.data.tasks import Example, build_examples
+from hpo.models import ModelStore, quiet_transformers
+
+
+def efficiency(batches: Iterable[Sequence[int]], lengths: Sequence[int], *,
+               rounded: bool) -> float:
+    longest = max(lengths)
+    real = processed = 0
+    for batch in batches:
+        width = max(lengths[i] for i in batch)
+        if rounded:
+            width = padded_width(width, pad_multiple(longest), longest)
+        real += sum(lengths[i] for i in batch)
+        processed += width * len(batch)
+    return real / processed
+
+
+def mean_efficiency(epochs: list[list[list[int]]], lengths: Sequence[int], *,
+                    rounded: bool) -> float:
+    return statistics.mean(efficiency(batches, lengths, rounded=rounded) for batches in epochs)
+
+
+def hpo_batches(lengths: Sequence[int], batch: int, epoch: int) -> list[list[int]]:
+    return [micro for step in training_steps(lengths, batch, batch, seed=0, epoch=epoch)
+            for micro in step]
+
+
+def trainer_batches(lengths: Sequence[int], batch: int, epoch: int, *,
+                    grouped: bool) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(epoch)
+    order = (list(LengthGroupedSampler(batch, lengths=list(lengths), generator=generator))
+             if grouped else torch.randperm(len(lengths), generator=generator).tolist())
+    return [order[s : s + batch] for s in range(0, len(order), batch)]
+
+
+def study_training_split(name: str) -> tuple[list[Example], int]:
+    data = config.load(config.study_path(name)).data
+    posts = read_redsm5(config.local_path(data.dir), special_case=data.special_case)
+    splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
+                         seed=data.split_seed)
+    return build_examples(splits.train, data.task, special_case=data.special_case), data.max_length
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[400, 1500, 5000])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16])
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
+    parser.add_argument("--study", help="a study's training split instead of synthetic posts")
+    args = parser.parse_args()
+    quiet_transformers()
+    tokenizer = ModelStore().tokenizer(args.model)
+    if args.study:
+        examples, max_length = study_training_split(args.study)
+        data = [(f"{args.study}'s training split", encode(tokenizer, examples, max_length),
+                 max_length)]
+    else:
+        data = [("synthetic", encode(tokenizer, corpus(n, 1, seed=0)[0], args.max_length),
+                 args.max_length)
+                for n in args.sizes]
+    print(f"Tokens of {args.model}; the mean over {args.epochs} epochs\n")
+    print("| posts | max_length | batch | hpo's width multiple | mega-batch of the Trainer's "
+          "sampler | hpo | Trainer, group_by_length | Trainer, random batches | "
+          "hpo over group_by_length |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (label, encoded, max_length), batch in itertools.product(data, args.batches):
+        lengths = encoded.lengths
+        epochs = range(args.epochs)
+        ours = mean_efficiency([hpo_batches(lengths, batch, e) for e in epochs], lengths,
+                               rounded=True)
+        grouped = mean_efficiency([trainer_batches(lengths, batch, e, grouped=True)
+                                   for e in epochs], lengths, rounded=False)
+        shuffled = mean_efficiency([trainer_batches(lengths, batch, e, grouped=False)
+                                    for e in epochs], lengths, rounded=False)
+        mega = max(1, min(len(lengths) // (4 * batch), 50)) * batch
+        print(f"| {label} ({len(lengths):,}) | {max_length} | {batch} | "
+              f"{pad_multiple(max(lengths))} | {mega} | {ours:.3f} | {grouped:.3f} | "
+              f"{shuffled:.3f} | {ours / grouped:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
