@@ -11,9 +11,10 @@ gives one loop over the other at equal kernels.
 synthetic posts.
 
 hpo's batches come from `batching.training_steps` and are padded to `batching.padded_width`
-(multiples of 8), as its collator pads them; the Trainer's from its own `LengthGroupedSampler`
-(random mega-batches of `min(n // (4 * batch), 50)` batches, each sorted by length) and from a
-random permutation, each batch padded to its longest, as `DataCollatorWithPadding` pads it.
+at `batching.pad_multiple`, as its collator pads them; the Trainer's from its own
+`LengthGroupedSampler` (random mega-batches of `min(n // (4 * batch), 50)` batches, each sorted
+by length) and from a random permutation, each batch padded to its longest, as
+`DataCollatorWithPadding` pads it.
 Each is averaged over `--epochs` epochs (training seed 0, epoch k).
 """
 
@@ -39,11 +40,10 @@ from hpo.models import ModelStore, quiet_transformers
 def efficiency(batches: Iterable[Sequence[int]], lengths: Sequence[int], *,
                rounded: bool) -> float:
     longest = max(lengths)
+    multiple = pad_multiple(longest) if rounded else 1
     real = processed = 0
     for batch in batches:
-        width = max(lengths[i] for i in batch)
-        if rounded:
-            width = padded_width(width, pad_multiple(longest), longest)
+        width = padded_width(max(lengths[i] for i in batch), multiple, longest)
         real += sum(lengths[i] for i in batch)
         processed += width * len(batch)
     return real / processed
