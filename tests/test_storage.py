@@ -2,7 +2,9 @@
 outage without losing a result."""
 
 import re
+import sys
 import time
+import types
 from collections import Counter
 
 import optuna
@@ -87,7 +89,7 @@ def test_a_bad_storage_wait_is_refused_before_any_connection(monkeypatch, tmp_pa
     assert not (tmp_path / "never.db").exists()
 
 
-def test_the_storage_wait_bounds_the_retries_at_start(monkeypatch):
+def test_the_storage_wait_bounds_the_retries_at_start(monkeypatch, capsys):
     monkeypatch.setenv("HPO_STORAGE_WAIT", "")
     assert storage.start_wait() == storage.START_SECONDS  # empty is unset
     monkeypatch.setenv("HPO_STORAGE_WAIT", "1.5")
@@ -96,6 +98,82 @@ def test_the_storage_wait_bounds_the_retries_at_start(monkeypatch):
     with pytest.raises(StorageError, match="cannot be opened after"):
         storage.open_storage("postgresql+psycopg2://u:p@127.0.0.1:1/x")
     assert time.monotonic() - started < 15  # not the default wait
+    # A wait this short passes in silence: bad input stays one line on stderr.
+    assert capsys.readouterr().err == ""
+
+
+def test_a_long_wait_at_start_says_once_that_it_retries_and_ends_on_time(monkeypatch, capsys):
+    monkeypatch.setattr(storage, "QUIET_WAIT", 0.0)  # the note, without a long test
+    monkeypatch.setenv("HPO_STORAGE_WAIT", "1")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="cannot be opened after") as refused:
+        storage.open_storage("postgresql://nobody:Sup3rS3cret@127.0.0.1:1/x")
+    elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 3.0  # the wait, not seconds of backoff past it
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == ["hpo: warning: storage postgresql://nobody:***@127.0.0.1:1/x unreachable "
+                     "(connection refused); retrying for 1 s (HPO_STORAGE_WAIT sets how long)"]
+    assert "Sup3rS3cret" not in str(refused.value)
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgresql+psycopg2"])
+def test_a_postgresql_url_opens_with_or_without_its_driver(pg_url, scheme):
+    """SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; hpo installs psycopg2."""
+    url = pg_url.replace("postgresql+psycopg2://", f"{scheme}://")
+    opened = storage.open_storage(url, start_seconds=0)
+    try:
+        optuna.create_study(study_name="s", storage=opened).ask()
+        assert opened.engine.dialect.driver == "psycopg2"
+        assert opened.engine.url.render_as_string(hide_password=False) == pg_url
+    finally:
+        opened.engine.dispose()
+
+
+def _installed(monkeypatch, **modules: bool) -> None:
+    """Each named driver module as present (an empty stand-in) or missing (None, so that
+    importing it fails), whatever this machine has."""
+    for name, present in modules.items():
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name) if present else None)
+
+
+def test_a_bare_postgresql_url_takes_psycopg_3_where_psycopg2_is_missing(monkeypatch):
+    _installed(monkeypatch, psycopg2=False, psycopg=True)
+    parsed = sqlalchemy.engine.make_url("postgresql://u:p%40ss@db/x?sslmode=require")
+    resolved = storage.with_installed_driver(parsed, "shown")
+    assert resolved.render_as_string(hide_password=False) == (
+        "postgresql+psycopg://u:p%40ss@db/x?sslmode=require")
+    _installed(monkeypatch, psycopg=False)
+    with pytest.raises(StorageError) as refused:
+        storage.open_storage("postgresql://u:Sup3rS3cret@db/x", start_seconds=0)
+    assert str(refused.value) == (
+        "storage postgresql://u:***@db/x: no postgresql driver is installed; "
+        "pip install psycopg2-binary or 'psycopg[binary]'")
+
+
+@pytest.mark.parametrize(("url", "installed", "message"), [
+    ("postgresql+psycopg://u:Sup3rS3cret@127.0.0.1:1/x", {"psycopg": False},
+     "storage postgresql+psycopg://u:***@127.0.0.1:1/x: its driver psycopg is not installed; "
+     "pip install 'psycopg[binary]', or use postgresql+psycopg2:// (psycopg2 is installed)"),
+    ("postgresql+psycopg2://u@db/x", {"psycopg2": False, "psycopg": True},
+     "storage postgresql+psycopg2://u@db/x: its driver psycopg2 is not installed; "
+     "pip install psycopg2-binary, or use postgresql+psycopg:// (psycopg is installed)"),
+    ("mysql+pymysql://u@db/x", {"pymysql": False, "MySQLdb": False},
+     "storage mysql+pymysql://u@db/x: its driver pymysql is not installed; pip install pymysql"),
+])
+def test_a_url_whose_driver_is_missing_names_the_package(monkeypatch, url, installed, message):
+    _installed(monkeypatch, **installed)
+    with pytest.raises(StorageError) as refused:
+        storage.open_storage(url, start_seconds=0)
+    assert str(refused.value) == message
+
+
+def test_a_url_with_an_unknown_driver_says_which_forms_work():
+    with pytest.raises(StorageError) as refused:
+        storage.open_storage("postgresql+psycopg4://u:Sup3rS3cret@db/x", start_seconds=0)
+    assert str(refused.value) == (
+        "storage URL postgresql+psycopg4://u:***@db/x: SQLAlchemy knows no database or driver "
+        "'postgresql+psycopg4'; for PostgreSQL write postgresql://, postgresql+psycopg2:// or "
+        "postgresql+psycopg://")
 
 
 def test_password_never_printed(tiny_study, capsys):

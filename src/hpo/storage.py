@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import inspect
 import os
 import random
 import re
+import sys
 import threading
 import time
 import warnings
@@ -272,59 +274,201 @@ def open_storage(
     database is tried again for `start_seconds` (default: `start_wait()`).
     """
     safe = redact(url)
+    from_environment = start_seconds is None
     if start_seconds is None:
         start_seconds = start_wait()
+    parsed = _parse(url, safe)
+    resolved = with_installed_driver(parsed, safe)
+    # The URL as written unless its driver was filled in; Optuna takes a string, so the
+    # password goes back in (it is never printed: messages use `safe`).
+    target = url if resolved is parsed else resolved.render_as_string(hide_password=False)
+    engine_kwargs = _engine_kwargs(resolved)
+
+    def build() -> ResilientRDBStorage:
+        with warnings.catch_warnings():
+            # Heartbeats and their retry callback are marked experimental in Optuna 5;
+            # they are its documented way to reap dead workers' trials.
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            callback = retry_callback(max_retry) if heartbeat_interval else None
+            return storage_class(
+                target, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
+                grace_period=grace_period, heartbeat_stale_trial_callback=callback,
+            )
+
+    wait = _StartWait(safe, start_seconds, from_environment, (_password(url), parsed.password))
+    try:
+        return wait.retry(build)
+    except ImportError as exc:
+        # Optuna turns the driver's ImportError into "Failed to import DB access module for
+        # the specified storage URL", which names neither the driver nor its package.
+        message = missing_driver(safe, resolved, exc)
+        if message is None:
+            raise
+        raise StorageError(message) from None
+
+
+def _parse(url: str, safe: str) -> sqlalchemy.engine.URL:
+    """The parsed URL, its dialect known to SQLAlchemy; else bad input naming the URL."""
     try:
         parsed = sqlalchemy.engine.make_url(url)
     except (sa_exc.ArgumentError, ValueError):
         hint = ("; write a password's special characters percent-encoded (@ as %40, : as %3A)"
                 if _password(url) else "")
         raise StorageError(f"storage URL {safe} is not a database URL{hint}") from None
-    engine_kwargs: dict[str, Any] = {}
+    try:
+        parsed.get_dialect()
+    except sa_exc.NoSuchModuleError:
+        raise StorageError(
+            f"storage URL {safe}: SQLAlchemy knows no database or driver "
+            f"{parsed.drivername!r}; for PostgreSQL write postgresql://, "
+            f"postgresql+psycopg2:// or postgresql+psycopg://") from None
+    return parsed
+
+
+# The drivers hpo knows per database, in the order a URL without one (postgresql://) tries
+# them: the DBAPI module each imports and the pip requirement that installs it. psycopg2 comes
+# first since hpo depends on psycopg2-binary; mysqldb is SQLAlchemy's default for mysql://.
+_DRIVERS: dict[str, dict[str, tuple[str, str]]] = {
+    "postgresql": {"psycopg2": ("psycopg2", "psycopg2-binary"),
+                   "psycopg": ("psycopg", "'psycopg[binary]'")},
+    "mysql": {"mysqldb": ("MySQLdb", "mysqlclient"), "pymysql": ("pymysql", "pymysql")},
+}
+# Drivers built on libpq, which take its keepalive and connect_timeout settings.
+_LIBPQ = {"psycopg2", "psycopg", "psycopg2cffi"}
+
+
+def _importable(module: str) -> bool:
+    """Whether the driver module imports: one present but broken (psycopg 3 without a libpq
+    to load) is as good as missing."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def with_installed_driver(parsed: sqlalchemy.engine.URL, safe: str) -> sqlalchemy.engine.URL:
+    """`parsed` with a driver that is installed. SQLAlchemy fills in a URL's missing driver
+    with its own default, which changed (postgresql:// is psycopg2 in SQLAlchemy 2.0 and
+    psycopg 3 in 2.1) and need not be the one installed; hpo installs psycopg2. A URL that
+    names its driver is returned as it is (the same object)."""
     backend = parsed.get_backend_name()
-    if backend != "sqlite":
-        # One connection kept between trials, so a fleet of N workers holds about N of the
-        # server's max_connections; more while claiming (the study lock has its own) or while
-        # a trial's heartbeat overlaps a write, each closed when returned. The overflow is
-        # generous because a pool that runs dry waits 30 s and then fails the call.
-        engine_kwargs = {"pool_pre_ping": True, "pool_size": 1, "max_overflow": 4,
-                         "pool_recycle": 1800}
-        if backend == "postgresql":
-            # TCP keepalives: a worker learns of a server that vanished (a partition, a
-            # failover) in about 25 s, instead of waiting on a dead socket for hours.
-            engine_kwargs["connect_args"] = {
-                "connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10,
-                "keepalives_interval": 5, "keepalives_count": 3,
-            }
-    deadline = time.monotonic() + start_seconds
-    # Losing the race to create the schema is retried for the default wait even when
-    # HPO_STORAGE_WAIT is shorter: the database is there, another worker is creating it.
-    race_deadline = time.monotonic() + max(start_seconds, START_SECONDS)
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            with warnings.catch_warnings():
-                # Heartbeats and their retry callback are marked experimental in Optuna 5;
-                # they are its documented way to reap dead workers' trials.
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                callback = retry_callback(max_retry) if heartbeat_interval else None
-                return storage_class(
-                    url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                    grace_period=grace_period, heartbeat_stale_trial_callback=callback,
-                )
-        except ModuleNotFoundError as exc:
-            raise StorageError(f"storage {safe}: database driver missing ({exc.name})") from None
-        except Exception as exc:
-            racing = isinstance(exc, sa_exc.IntegrityError | sa_exc.ProgrammingError)
-            reachable_later = is_connection_error(exc) or racing
-            if not reachable_later or time.monotonic() >= (race_deadline if racing else deadline):
-                waited = f" after {attempt} attempts" if attempt > 1 else ""
-                detail = _scrub(_cause(exc), _password(url), parsed.password)
-                raise StorageError(
-                    f"storage {safe} cannot be opened{waited}: {detail}{_advice(detail)}"
-                ) from None
-        time.sleep(min(2.0, 0.2 * attempt) * random.uniform(0.5, 1.5))
+    drivers = _DRIVERS.get(backend)
+    if drivers is None or "+" in parsed.drivername:
+        return parsed
+    for driver, (module, _) in drivers.items():
+        if _importable(module):
+            return parsed.set(drivername=f"{backend}+{driver}")
+    wanted = " or ".join(requirement for _, requirement in drivers.values())
+    raise StorageError(f"storage {safe}: no {backend} driver is installed; pip install {wanted}")
+
+
+def missing_driver(safe: str, resolved: sqlalchemy.engine.URL, exc: ImportError) -> str | None:
+    """One line: which driver the URL needs, the package that installs it, and the URL forms
+    whose driver is installed; None for an ImportError that is not about the driver."""
+    root: BaseException = exc
+    while (deeper := root.__cause__ or root.__context__) is not None:
+        root = deeper
+    missing = isinstance(root, ModuleNotFoundError)
+    if not missing and "DB access module" not in str(exc):
+        return None
+    backend, driver = resolved.get_backend_name(), resolved.get_driver_name()
+    known = _DRIVERS.get(backend, {})
+    if driver in known:
+        module, requirement = known[driver]
+        install = f"pip install {requirement}"
+    else:
+        module = getattr(root, "name", None) or driver
+        install = f"install the package that provides {module}"
+    if missing:
+        problem = f"its driver {module} is not installed"
+    else:  # present but broken, as psycopg 3 without a libpq to load
+        problem = f"its driver {module} cannot be imported ({_scrub(str(root))})"
+    others = [f"{backend}+{other}:// ({other_module} is installed)"
+              for other, (other_module, _) in known.items()
+              if other != driver and _importable(other_module)]
+    instead = f", or use {' or '.join(others)}" if others else ""
+    return f"storage {safe}: {problem}; {install}{instead}"
+
+
+def _engine_kwargs(resolved: sqlalchemy.engine.URL) -> dict[str, Any]:
+    if resolved.get_backend_name() == "sqlite":
+        return {}
+    # One connection kept between trials, so a fleet of N workers holds about N of the
+    # server's max_connections; more while claiming (the study lock has its own) or while
+    # a trial's heartbeat overlaps a write, each closed when returned. The overflow is
+    # generous because a pool that runs dry waits 30 s and then fails the call.
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 1, "max_overflow": 4,
+                                     "pool_recycle": 1800}
+    if resolved.get_backend_name() == "postgresql" and resolved.get_driver_name() in _LIBPQ:
+        # TCP keepalives: a worker learns of a server that vanished (a partition, a
+        # failover) in about 25 s, instead of waiting on a dead socket for hours.
+        engine_kwargs["connect_args"] = {
+            "connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10,
+            "keepalives_interval": 5, "keepalives_count": 3,
+        }
+    return engine_kwargs
+
+
+# A wait at start up to this long ends in its one-line error soon enough to pass in silence; a
+# longer one says at once why the command is waiting.
+QUIET_WAIT = 3.0
+
+
+class _StartWait:
+    """Opening a storage at start: an unreachable database is tried again until `seconds`
+    have passed, saying so once on stderr when that is long enough to look like a hang."""
+
+    def __init__(self, safe: str, seconds: float, from_environment: bool,
+                 passwords: tuple[str | None, ...]) -> None:
+        self.safe, self.seconds, self.passwords = safe, seconds, passwords
+        self.from_environment = from_environment
+        now = time.monotonic()
+        self.deadline = now + seconds
+        # Losing the race to create the schema is retried for the default wait even when
+        # HPO_STORAGE_WAIT is shorter: the database is there, another worker is creating it.
+        self.race_deadline = now + max(seconds, START_SECONDS)
+        self.noted = False
+
+    def retry(self, build: Callable[[], T]) -> T:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return build()
+            except ImportError:
+                raise
+            except Exception as exc:
+                racing = isinstance(exc, sa_exc.IntegrityError | sa_exc.ProgrammingError)
+                limit = self.race_deadline if racing else self.deadline
+                detail = _scrub(_cause(exc), *self.passwords)
+                if not (is_connection_error(exc) or racing) or time.monotonic() >= limit:
+                    waited = f" after {attempt} attempts" if attempt > 1 else ""
+                    raise StorageError(f"storage {self.safe} cannot be opened{waited}: "
+                                       f"{detail}{_advice(detail)}") from None
+                if not racing:
+                    self._note(detail)
+            # Never past the deadline: the last attempt comes when the wait is up, not seconds
+            # later.
+            pause = min(2.0, 0.2 * attempt) * random.uniform(0.5, 1.5)
+            time.sleep(max(0.0, min(pause, limit - time.monotonic())))
+
+    def _note(self, detail: str) -> None:
+        if self.noted or self.seconds <= QUIET_WAIT:
+            return
+        self.noted = True
+        # Printed, not logged: the storage layer sits below hpo's reporter, and a command's
+        # warnings all read "hpo: warning: ..." on stderr.
+        setting = " (HPO_STORAGE_WAIT sets how long)" if self.from_environment else ""
+        print(f"hpo: warning: storage {self.safe} unreachable ({_reason(detail)}); retrying "
+              f"for {self.seconds:g} s{setting}", file=sys.stderr, flush=True)
+
+
+def _reason(detail: str) -> str:
+    """The driver's reason without libpq's preamble: 'connection to server at "HOST", port
+    5432 failed: Connection refused' -> 'connection refused'."""
+    reason = detail.rsplit(" failed: ", 1)[-1].strip()
+    return reason[:1].lower() + reason[1:]
 
 
 def start_wait() -> float:
