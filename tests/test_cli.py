@@ -1,6 +1,7 @@
 """`hpo run` end to end on tiny models: the storage holds the parameters and attributes of the
 public contract."""
 
+import argparse
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import yaml
 from conftest import REPO, require
 from optuna.trial import TrialState
 
-from hpo.cli import COMMANDS, main
+from hpo.cli import COMMANDS, build_parser, main
 
 PARAMS = {"model_name", "fp_precision", "target_effective_batch_size", "learning_rate"}
 ATTRS = {
@@ -147,6 +148,40 @@ def test_plain_hpo_and_help_describe_the_tool_and_every_command(args):
     for command in COMMANDS:
         assert re.search(rf"^    {command} +\S", out, flags=re.MULTILINE), command
     assert "examples:" in out and "Exit codes" in out
+
+
+def test_every_command_has_a_description_and_every_option_a_help():
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(subparsers.choices) == set(COMMANDS)
+    missing = [f"{name} {action.option_strings or action.dest}"
+               for name, command in subparsers.choices.items()
+               for action in command._actions
+               if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()]
+    assert missing == [], f"give these options a help text in hpo/cli.py: {missing}"
+    undescribed = [name for name, command in subparsers.choices.items()
+                   if not (command.description or "").strip()]
+    assert undescribed == [], f"give these commands a description: {undescribed}"
+    listed = {choice.dest: choice.help for choice in subparsers._choices_actions}
+    assert all(listed.get(name) for name in COMMANDS)  # the line `hpo --help` shows
+
+
+def test_check_says_when_it_created_the_study_and_only_then(tiny_study, storage, monkeypatch,
+                                                            capsys):
+    # The check itself (a training step per combination) is hpo check's own test's; here only
+    # what check says around it.
+    ran = []
+    monkeypatch.setattr("hpo.commands._check", lambda *args, **kwargs: ran.append(args))
+    command = ["check", "--config", str(tiny_study), "--storage", storage]
+    assert main(command) == 0
+    out = capsys.readouterr().out
+    names = f"--config {tiny_study} --storage {storage}"
+    assert out == (f"created study 'tiny' in {storage} to keep the check's verdicts "
+                   f"(`hpo run {names}` joins it; `hpo delete {names}` removes it)\n")
+    assert load(storage).study_name == "tiny"
+    assert main(command) == 0
+    assert capsys.readouterr().out == ""  # it existed: nothing to say
+    assert len(ran) == 2
 
 
 def test_generated_and_gated_files_are_ignored_by_git():

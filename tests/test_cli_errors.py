@@ -223,3 +223,35 @@ def test_a_password_with_at_signs_and_colons_never_shows(tmp_path):
     check_bad_input(result, "postgresql+psycopg2://u:***@127.0.0.1:1/x")
     for part in ("p@ss", "ss:w", "w@rd"):
         assert part not in result.stderr + result.stdout
+
+
+@pytest.fixture
+def storage_with_demo(tmp_path) -> Path:
+    """A working directory whose hpo.db holds one study, 'demo', and no study files."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(study_name="demo", storage=f"sqlite:///{tmp_path / 'hpo.db'}")
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", ["status", "best", "delete"])
+def test_a_mistyped_study_points_to_the_likely_name_and_hpo_studies(storage_with_demo, command):
+    # No configs/studies/dmeo.yaml here or in hpo: the name alone was looked up.
+    result = hpo(command, "--study", "dmeo", cwd=storage_with_demo)
+    check_bad_input(result, "no study 'dmeo' in sqlite:///hpo.db",
+                    "nor a study file dmeo.yaml", "--study knows demo",
+                    "did you mean 'demo'?", "`hpo studies` lists the studies there")
+
+
+def test_a_study_file_whose_study_never_ran_says_what_creates_it(storage_with_demo):
+    studies = storage_with_demo / "configs" / "studies"
+    studies.mkdir(parents=True)
+    # The demo's file, whose study is named by its file's stem: dmeo.
+    (studies / "dmeo.yaml").write_text((REPO / "configs" / "studies" / "demo.yaml").read_text())
+    result = hpo("status", "--study", "dmeo", "--storage", "sqlite:///hpo.db",
+                 cwd=storage_with_demo)
+    check_bad_input(result, "no study 'dmeo' in sqlite:///hpo.db",
+                    "the name configs/studies/dmeo.yaml gives it",
+                    "`hpo run` or `hpo create` creates it", "did you mean 'demo'?",
+                    "`hpo studies --storage sqlite:///hpo.db` lists the studies there")

@@ -4,6 +4,7 @@ import json
 import re
 
 import optuna
+import pytest
 import yaml
 
 from hpo.cli import main
@@ -50,7 +51,8 @@ def test_a_study_without_a_completed_trial_has_no_best(tiny_study, tmp_path, cap
                  "--format", "json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["best"] is None and info["running"] == []
-    assert info["counts"] == {"COMPLETE": 0, "PRUNED": 0, "RUNNING": 0, "WAITING": 0, "FAIL": 0}
+    assert info["counts"] == {"COMPLETE": 0, "PRUNED": 0, "RUNNING": 0, "WAITING": 0, "FAIL": 0,
+                              "INTERRUPTED": 0}
 
 
 def test_status_shows_running_trials_as_a_table(tiny_study, tmp_path, capsys):
@@ -103,10 +105,130 @@ def test_status_shows_device_seconds_per_model_and_precision_and_the_wasted_shar
     assert (spent["pruned_share"], spent["failed_share"]) == (0.1, 0.1)
     assert spent["by_model_precision"] == [
         {"model_name": "b", "fp_precision": "none", "trials": 2, "device_seconds": 120.0,
-         "pruned_seconds": 0.0, "failed_seconds": 20.0},
+         "pruned_seconds": 0.0, "failed_seconds": 20.0, "interrupted_seconds": 0.0},
         {"model_name": "a", "fp_precision": "bf16", "trials": 2, "device_seconds": 80.0,
-         "pruned_seconds": 20.0, "failed_seconds": 0.0}]
+         "pruned_seconds": 20.0, "failed_seconds": 0.0, "interrupted_seconds": 0.0}]
     assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
     out = capsys.readouterr().out
     assert "compute: 200 device-seconds, 10% on pruned and 10% on failed trials" in out
     assert re.search(r"^  b +none +2 +120 +0 +20$", out, flags=re.MULTILINE)
+
+
+def test_studies_shows_a_dash_not_none_for_a_study_without_trials():
+    from optuna.trial import TrialState, create_trial
+
+    from hpo.summary import render_studies, studies
+
+    storage = optuna.storages.InMemoryStorage()
+    optuna.create_study(study_name="empty", storage=storage, direction="maximize")
+    ran = optuna.create_study(study_name="ran", storage=storage, direction="maximize")
+    ran.add_trial(create_trial(state=TrialState.COMPLETE, value=0.5))
+    rows = studies(storage)
+    text = render_studies(rows, "sqlite:///hpo.db", "text")
+    assert "None" not in text
+    assert text.splitlines()[0] == "empty\t0 trials\tbest -\tstarted -"
+    assert re.fullmatch(r"ran\t1 trials\tbest 0\.5000\tstarted \d{4}-\d\d-\d\d [\d:]{8}",
+                        text.splitlines()[1])
+    assert json.loads(render_studies(rows, "sqlite:///hpo.db", "json"))[0]["started"] is None
+    assert yaml.safe_load(render_studies(rows, "sqlite:///hpo.db", "yaml"))[0]["started"] is None
+
+
+def interrupted_study() -> optuna.Study:
+    """Trials as a worker leaves them: a failure, a Ctrl-C re-queued as trial 4, a SIGTERM
+    whose retries were used up, and one carrying the marker attribute."""
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState, create_trial
+
+    study = optuna.create_study(study_name="tiny", direction="maximize")
+    models = {"model_name": CategoricalDistribution(["a"])}
+    for state, seconds, attrs in [
+            (TrialState.COMPLETE, 50, {}),
+            (TrialState.FAIL, 10, {"error": "RuntimeError: interrupted by a bug"}),
+            (TrialState.FAIL, 20, {"error": "interrupted by Ctrl-C"}),
+            (TrialState.FAIL, 20, {"error": "interrupted by SIGTERM"})]:
+        study.add_trial(create_trial(
+            state=state, value=0.5 if state == TrialState.COMPLETE else None,
+            params={"model_name": "a"}, distributions=models,
+            user_attrs={"trial_seconds": seconds, **attrs}))
+    study.add_trial(create_trial(state=TrialState.WAITING, params={"model_name": "a"},
+                                 distributions=models,
+                                 system_attrs={"failed_trial": 2, "retry_history": [2]}))
+    return study
+
+
+def test_interrupted_trials_are_counted_and_costed_apart_from_failed_ones():
+    from hpo.summary import render_status, status
+
+    info = status(interrupted_study())
+    assert info["counts"] == {"COMPLETE": 1, "PRUNED": 0, "RUNNING": 0, "WAITING": 1,
+                              "FAIL": 1, "INTERRUPTED": 2}
+    assert info["interrupted"] == [
+        {"trial": 2, "error": "interrupted by Ctrl-C", "requeued_as": 4},
+        {"trial": 3, "error": "interrupted by SIGTERM", "requeued_as": None}]
+    spent = info["compute"]
+    assert (spent["device_seconds"], spent["failed_share"], spent["interrupted_share"]) == (
+        100, 0.1, 0.4)
+    assert spent["by_model_precision"][0]["failed_seconds"] == 10
+    assert spent["by_model_precision"][0]["interrupted_seconds"] == 40
+    out = render_status(info, "text")
+    assert out.splitlines()[0] == ("study 'tiny': 1 COMPLETE, 0 PRUNED, 0 RUNNING, 1 WAITING, "
+                                   "1 FAIL, 2 interrupted (1 re-queued)")
+    assert "100 device-seconds, 0% on pruned, 10% on failed and 40% on interrupted trials" in out
+    assert re.search(r"^  model +precision +trials +device-s +pruned-s +failed-s +interrupted-s$",
+                     out, flags=re.MULTILINE)
+    assert re.search(r"^  a +\? +4 +100 +0 +10 +40$", out, flags=re.MULTILINE)
+    assert json.loads(render_status(info, "json"))["counts"]["INTERRUPTED"] == 2
+
+
+def test_the_interrupted_marker_attribute_decides_where_it_is_set():
+    from optuna.trial import TrialState, create_trial
+
+    from hpo.summary import interrupted
+
+    def trial(state, **attrs):
+        return create_trial(state=state, value=0.5 if state == TrialState.COMPLETE else None,
+                            user_attrs=attrs)
+
+    assert interrupted(trial(TrialState.FAIL, interrupted=True, error="anything"))
+    assert not interrupted(trial(TrialState.FAIL, interrupted=False,
+                                 error="interrupted by Ctrl-C"))
+    assert interrupted(trial(TrialState.FAIL, error="interrupted by SIGTERM"))  # before it
+    assert not interrupted(trial(TrialState.FAIL, error="ValueError: interrupted by Ctrl-C"))
+    assert not interrupted(trial(TrialState.COMPLETE, interrupted=True))  # a retry's copy
+
+
+def test_one_interrupted_trial_reads_re_queued():
+    from hpo.summary import render_status, status
+
+    study = interrupted_study()
+    info = status(study)
+    info["interrupted"] = info["interrupted"][:1]
+    info["counts"]["INTERRUPTED"] = 1
+    assert render_status(info, "text").splitlines()[0].endswith(", 1 interrupted (re-queued)")
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # ask, not optimize
+def test_a_trial_freed_after_ctrl_c_shows_as_interrupted_and_re_queued(tmp_path):
+    # What executor.free records today, read back as hpo status reads it.
+    from hpo.errors import Terminated
+    from hpo.executor import free
+    from hpo.storage import open_storage
+    from hpo.summary import render_status, status
+
+    storage = open_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_interval=60,
+                           grace_period=120, max_retry=1)
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
+    # The second claim is the first's re-queued copy, whose one retry is then used up.
+    for stop in (KeyboardInterrupt(), Terminated("SIGTERM")):
+        trial = study.ask()
+        trial.suggest_categorical("model_name", ["a"])
+        free(study, trial, stop)
+    info = status(study)
+    assert info["interrupted"] == [
+        {"trial": 0, "error": "interrupted by Ctrl-C", "requeued_as": 1},
+        {"trial": 1, "error": "interrupted by SIGTERM", "requeued_as": None}]
+    assert info["counts"]["FAIL"] == 0 and info["counts"]["INTERRUPTED"] == 2
+    out = render_status(info, "text")
+    assert out.splitlines()[0] == ("study 'tiny': 0 COMPLETE, 0 PRUNED, 0 RUNNING, 0 WAITING, "
+                                   "0 FAIL, 2 interrupted (1 re-queued)")
+    assert info["compute"]["failed_share"] == 0  # their seconds are the interrupted share's

@@ -91,41 +91,82 @@ line naming it); 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), the running
 re-queued at once."""
 
 
+# Per command: the line `hpo --help` lists, and the description `hpo COMMAND --help` opens
+# with (what it does, what it writes).
+ABOUT = {
+    "run": ("join (or create) a study and run trials",
+            "Join the study, creating it on first use, and run trials until the study has "
+            "--n-trials finished trials in total or --timeout passes. Each trial's parameters, "
+            "scores and attributes are written to the storage."),
+    "create": ("create the study and pin its search space",
+               "Create the study, pin its search space and data split, and run the check; "
+               "runs no trial. Safe to repeat: an existing study is joined, not changed."),
+    "check": ("one real training step per model x precision of the study",
+              "Run one real training step per model x precision (x adapter) of the study on "
+              "this device and print which are usable. The verdicts are kept in the study, "
+              "created if needed, so that `hpo run` does not repeat the check."),
+    "status": ("trial counts, best trial, running trials",
+               "Print the study's trial counts by state (interrupted trials apart), its best "
+               "trial, the device-seconds spent and the running trials. Writes nothing."),
+    "best": ("the best trial's parameters and runtime settings",
+             "Print the best trial's parameters and the runtime settings (precision, physical "
+             "batch, accumulation steps) that train it again. Writes nothing."),
+    "final": ("train the best trial again with N seeds, test them, export the best",
+              "Train the best trial's configuration (or --trial's) again, once per seed "
+              "(--seeds, default 3), score every run on the held-out test split, and export "
+              "the run best on validation as a transformers model directory with its "
+              "per-symptom thresholds, report.json and a model card."),
+    "studies": ("the studies in a storage",
+                "List the studies in a storage: name, trials, best value and start time. "
+                "Writes nothing."),
+    "delete": ("delete a study and all its trials",
+               "Delete a study, its trials and its kept models in the artifact store, after "
+               "asking (--yes does not ask)."),
+    "dashboard": ("optuna-dashboard on the storage",
+                  "Serve optuna-dashboard on the storage, with the kept models of the artifact "
+                  "store. Read-only unless --allow-writes."),
+    "hardware": ("what the device supports, measured step time per precision",
+                 "Print the device's native precisions and memory and a measured training "
+                 "step time per precision. Writes nothing."),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hpo", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("--version", action="version", version=f"hpo {release.version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add = {name: commands.add_parser(name, help=line, description=text)
+           for name, (line, text) in ABOUT.items()}
+    _search_options(add["run"], add["create"], add["check"], add["final"])
+    _reading_options(add["status"], add["best"], add["studies"], add["delete"])
+    _dashboard_options(add["dashboard"])
+    hardware = add["hardware"]
+    hardware.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    hardware.add_argument("--steps", type=_positive_int, default=3,
+                          help="timed training steps per precision")
+    for command in add.values():
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error")
+    return parser
 
-    run = commands.add_parser("run", help="join (or create) a study and run trials")
-    _study_options(run, required=True)
+
+def _search_options(run: argparse.ArgumentParser, create: argparse.ArgumentParser,
+                    check: argparse.ArgumentParser, final: argparse.ArgumentParser) -> None:
+    """The options of the commands that read the whole study file."""
+    for command in (run, create, check, final):
+        _study_options(command, required=True)
     run.add_argument("--n-trials", type=_positive_int, default=None,
                      help="study-wide total of finished (COMPLETE + PRUNED) trials")
     run.add_argument("--timeout", type=_positive_float, default=None,
                      help="claim no new trial after this many seconds")
-
-    create = commands.add_parser("create", help="create the study and pin its search space")
-    _study_options(create, required=True)
+    run.add_argument("--verbose", action="store_true",
+                     help="also say how models and tokens were loaded and the rule that "
+                          "chose the precisions")
     for command in (run, create):
         command.add_argument("--skip-check", action="store_true",
                              help="no step per model x precision before the search")
-
-    check = commands.add_parser(
-        "check", help="one real training step per model x precision of the study")
-    _study_options(check, required=True)
-
-    status = commands.add_parser("status", help="trial counts, best trial, running trials")
-    _study_options(status, required=True, overrides=False)
-    _format_option(status, default="text")
-
-    best = commands.add_parser("best", help="the best trial's parameters and runtime settings")
-    _study_options(best, required=True, overrides=False)
-    _format_option(best, default="yaml")
-
-    final = commands.add_parser(
-        "final", help="train the best trial again, score it on the test split, export it")
-    _study_options(final, required=True)
     final.add_argument("--trial", type=_trial_number, default=None,
                        help="this trial instead of the best (a COMPLETE one)")
     final.add_argument("--seeds", type=_positive_int, default=3,
@@ -138,35 +179,31 @@ def build_parser() -> argparse.ArgumentParser:
     final.add_argument("--output", type=Path, default=None,
                        help="the model directory (default final/STUDY)")
 
-    studies = commands.add_parser("studies", help="the studies in a storage")
+
+def _reading_options(status: argparse.ArgumentParser, best: argparse.ArgumentParser,
+                     studies: argparse.ArgumentParser, delete: argparse.ArgumentParser) -> None:
+    """The options of the commands that only read (or delete) what a search wrote."""
+    for command in (status, best, delete):
+        _study_options(command, required=True, overrides=False)
     studies.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
+    _format_option(status, default="text")
+    _format_option(best, default="yaml")
     _format_option(studies, default="text")
-    delete = commands.add_parser("delete", help="delete a study and all its trials")
-    _study_options(delete, required=True, overrides=False)
     delete.add_argument("--yes", action="store_true", help="delete without asking")
 
-    dashboard = commands.add_parser("dashboard", help="optuna-dashboard on the storage")
+
+def _dashboard_options(dashboard: argparse.ArgumentParser) -> None:
     dashboard.add_argument("--storage", help="storage URL (else HPO_STORAGE, else hpo.db)")
     dashboard.add_argument("--host", default="127.0.0.1",
                            help="interface to bind (the dashboard has no authentication)")
-    dashboard.add_argument("--port", type=_port, default=8080)
+    dashboard.add_argument("--port", type=_port, default=8080,
+                           help="port to listen on (default 8080)")
     dashboard.add_argument("--artifacts", default=None,
                            help="the artifact store of kept models (else HPO_ARTIFACTS, else "
                                 "the directory beside a SQLite storage file)")
     dashboard.add_argument("--allow-writes", action="store_true",
                            help="let the dashboard tell trials, edit attributes and delete "
                                 "studies (read-only without it)")
-
-    hardware = commands.add_parser(
-        "hardware", help="what the device supports, measured step time per precision")
-    hardware.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    hardware.add_argument("--steps", type=_positive_int, default=3,
-                          help="timed training steps per precision")
-    for command in (run, create, check, status, best, final, studies, delete, dashboard,
-                    hardware):
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="show the traceback of an error")
-    return parser
 
 
 def _study_options(command: argparse.ArgumentParser, *, required: bool,
@@ -181,7 +218,11 @@ def _study_options(command: argparse.ArgumentParser, *, required: bool,
 
 
 def _format_option(command: argparse.ArgumentParser, *, default: str) -> None:
-    command.add_argument("--format", choices=("text", "yaml", "json"), default=default)
+    # `best` has no text rendering of its own: text prints its YAML.
+    about = ("yaml (the default) or json; text is the yaml" if default == "yaml" else
+             f"{default} (the default) to read; yaml or json for scripts")
+    command.add_argument("--format", choices=("text", "yaml", "json"), default=default,
+                         help=about)
 
 
 def _ref(args: argparse.Namespace) -> StudyRef:
@@ -204,7 +245,7 @@ def command_run(args: argparse.Namespace) -> int:
         raise UsageError("run: give --n-trials, --timeout or both")
     try:
         commands.run(_ref(args), n_trials=args.n_trials, timeout=args.timeout,
-                     skip_check=args.skip_check)
+                     skip_check=args.skip_check, verbose=args.verbose)
     except WorkerStopped as exc:
         print(f"hpo: worker stopped: {exc}", file=sys.stderr)
         return EXIT_UNEXPECTED

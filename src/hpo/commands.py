@@ -51,10 +51,43 @@ def check(ref: StudyRef) -> None:
 
     from hpo import study
 
-    # Like create, this may run on a host other than the fleet's: `auto` stays open.
+    name = prepared.config.study.name
+    existed = study_exists(prepared.storage, name)
+    # The check keeps its verdicts in the study, so that `hpo run` does not repeat it: joining
+    # creates the study, and a new one is said, with the ways to use or remove it. Like
+    # create, this may run on a host other than the fleet's: `auto` stays open.
     optuna_study, pinned = study.join(prepared.config, prepared.storage, None,
                                      prepared.splits)
+    if not existed:
+        print(created_message(ref, name, prepared.url), flush=True)
     _check(prepared, optuna_study, pinned, fresh=True)
+
+
+def study_exists(opened: optuna.storages.BaseStorage, name: str) -> bool:
+    import optuna
+
+    return name in optuna.get_all_study_names(opened)
+
+
+def study_options(ref: StudyRef, url: str) -> str:
+    """The options that name this study in a later command, as this one was given them
+    (a storage's password hidden)."""
+    from hpo.storage import redact
+
+    names = f"--study {ref.study}" if ref.study else f"--config {ref.config}"
+    if ref.storage:
+        names += f" --storage {redact(url)}"
+    return names
+
+
+def created_message(ref: StudyRef, name: str, url: str) -> str:
+    """What `hpo check` says of a study it created: where, and the commands that join or
+    remove it, naming it as this command did."""
+    from hpo.storage import redact
+
+    names = study_options(ref, url)
+    return (f"created study '{name}' in {redact(url)} to keep the check's verdicts (`hpo run "
+            f"{names}` joins it; `hpo delete {names}` removes it)")
 
 
 def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, *,
@@ -89,7 +122,7 @@ def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, 
 
 
 def run(ref: StudyRef, *, n_trials: int | None, timeout: float | None,
-        skip_check: bool) -> None:
+        skip_check: bool, verbose: bool = False) -> None:
     """A worker until the study has `n_trials` finished trials or `timeout` passes; raises
     worker.WorkerStopped after too many failures in a row."""
     prepared = prepare(ref)
@@ -99,7 +132,8 @@ def run(ref: StudyRef, *, n_trials: int | None, timeout: float | None,
     worker.work(
         prepared.config, prepared.splits, prepared.device, prepared.url, prepared.storage,
         n_trials=n_trials if n_trials is not None else math.inf,
-        timeout=timeout, run_check=not skip_check,
+        timeout=timeout, run_check=not skip_check, verbose=verbose,
+        next_command=study_options(ref, prepared.url),
     )
 
 

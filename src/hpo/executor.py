@@ -176,6 +176,8 @@ def free(study: optuna.Study, trial: optuna.Trial, stop: KeyboardInterrupt) -> s
         if before.state.is_finished():
             return f"trial {number} had finished ({before.state.name}) before the interrupt"
         trial.set_user_attr("error", outcome.error)
+        # `hpo status` counts a deliberate stop apart from failures (summary.interrupted).
+        trial.set_user_attr("interrupted", True)
         study.tell(trial, state=outcome.state)
         retry = storage.get_heartbeat_stale_trial_callback()
         if retry is not None:

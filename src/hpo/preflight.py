@@ -8,6 +8,7 @@ once: the heavy modules are imported inside the functions, after the light check
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,32 @@ def load_study(ref: StudyRef, opened: ResilientRDBStorage | None = None,
     try:
         return optuna.load_study(study_name=name, storage=opened)
     except KeyError:
-        raise ConfigError(f"no study '{name}' in {redact(url or '')}") from None
+        raise ConfigError(no_study(ref, name, optuna.get_all_study_names(opened),
+                                   redact(url or ""))) from None
+
+
+def no_study(ref: StudyRef, name: str, names: list[str], url: str) -> str:
+    """The error for a study that is not in the storage at `url` (redacted), which holds
+    `names`: the likely typo's fix, and where to look."""
+    path = ref.path()
+    if path is not None:
+        why = f" (the name {path} gives it; `hpo run` or `hpo create` creates it)"
+    elif ref.study:
+        # No file either: the name alone was looked up, so either may be the typo.
+        why = (f", nor a study file {ref.study}.yaml in {config_module.STUDIES_DIR} or hpo's "
+               f"own (--study knows {', '.join(known_studies()) or 'none'})")
+    else:
+        why = ""
+    close = difflib.get_close_matches(name, names, n=1)
+    guess = f"did you mean '{close[0]}'? " if close else ""
+    listed = "`hpo studies" + (f" --storage {url}`" if ref.storage else "`")
+    return f"no study '{name}' in {url}{why}; {guess}{listed} lists the studies there"
+
+
+def known_studies() -> list[str]:
+    """The study names `--study` finds here or among hpo's own study files."""
+    directories = (config_module.STUDIES_DIR, config_module.PACKAGED_STUDIES)
+    return sorted({path.stem for directory in directories for path in directory.glob("*.yaml")})
 
 
 def artifact_location(ref: StudyRef, url: str) -> str | None:

@@ -44,6 +44,34 @@ def best(study: optuna.Study) -> dict[str, Any] | None:
     }
 
 
+# How the error `executor.outcome_of` records for a trial that Ctrl-C or SIGTERM ended starts
+# ("interrupted by Ctrl-C", "interrupted by SIGTERM"); no other recorded error starts so (an
+# exception's starts with its type's name).
+INTERRUPTED_ERROR = "interrupted by "
+
+
+def interrupted(trial: optuna.trial.FrozenTrial) -> bool:
+    """A trial that Ctrl-C or SIGTERM ended (`executor.free`): FAIL in Optuna's terms, but a
+    deliberate stop, not a fault. Told by the user attribute `interrupted` where it is set,
+    else by the recorded error, which is all that studies written before the marker have."""
+    if trial.state != TrialState.FAIL:
+        return False
+    attrs = trial.user_attrs
+    if "interrupted" in attrs:
+        return bool(attrs["interrupted"])
+    return str(attrs.get("error", "")).startswith(INTERRUPTED_ERROR)
+
+
+def _interrupted(trials: list[optuna.trial.FrozenTrial]) -> list[dict[str, Any]]:
+    """The interrupted trials, each with the number of its re-queued copy (None when its
+    retries were used up): the retry callback records the failed trial's number last in the
+    copy's `retry_history`."""
+    copies = {t.system_attrs["retry_history"][-1]: t.number for t in trials
+              if t.system_attrs.get("retry_history")}
+    return [{"trial": t.number, "error": t.user_attrs.get("error"),
+             "requeued_as": copies.get(t.number)} for t in trials if interrupted(t)]
+
+
 def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[str, Any]:
     now = now or datetime.datetime.now()
     counts = count(study)
@@ -56,12 +84,17 @@ def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[st
             "age_seconds": round((now - started).total_seconds()),
             "params": dict(trial.params),
         })
+    stopped = _interrupted(study.get_trials(deepcopy=False))
     return {
         "study": study.study_name,
+        # FAIL counts the failures; an interrupted trial is counted apart, though Optuna's
+        # state for it is FAIL too.
         "counts": {"COMPLETE": counts.complete, "PRUNED": counts.pruned,
-                   "RUNNING": counts.running, "WAITING": counts.waiting, "FAIL": counts.failed},
+                   "RUNNING": counts.running, "WAITING": counts.waiting,
+                   "FAIL": counts.failed - len(stopped), "INTERRUPTED": len(stopped)},
         "best": best(study),
         "running": running,
+        "interrupted": stopped,
         "compute": compute(study),
     }
 
@@ -77,34 +110,44 @@ def trial_seconds(trial: optuna.trial.FrozenTrial) -> float:
     return 0.0
 
 
+def _kind(trial: optuna.trial.FrozenTrial) -> str:
+    """Which share of compute a finished trial's seconds go to."""
+    if trial.state == TrialState.COMPLETE:
+        return "complete"
+    if trial.state == TrialState.PRUNED:
+        return "pruned"
+    return "interrupted" if interrupted(trial) else "failed"
+
+
 def compute(study: optuna.Study) -> dict[str, Any]:
     """Device-seconds spent by finished trials, per model and precision, and the share of
-    them spent on trials that were pruned or failed: what the search's results cost."""
+    them spent on trials that were pruned, failed or interrupted: what the search's results
+    cost."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    totals = {"COMPLETE": 0.0, "PRUNED": 0.0, "FAIL": 0.0}
+    totals = {"complete": 0.0, "pruned": 0.0, "failed": 0.0, "interrupted": 0.0}
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     for trial in study.get_trials(deepcopy=False, states=states):
-        seconds = trial_seconds(trial)
+        seconds, kind = trial_seconds(trial), _kind(trial)
         key = (str(trial.params.get("model_name", "?")),
                str(trial.params.get("fp_precision", "?")))
         row = rows.setdefault(key, {"model_name": key[0], "fp_precision": key[1],
                                     "trials": 0, "device_seconds": 0.0,
-                                    "pruned_seconds": 0.0, "failed_seconds": 0.0})
+                                    "pruned_seconds": 0.0, "failed_seconds": 0.0,
+                                    "interrupted_seconds": 0.0})
         row["trials"] += 1
         row["device_seconds"] += seconds
-        if trial.state == TrialState.PRUNED:
-            row["pruned_seconds"] += seconds
-        elif trial.state == TrialState.FAIL:
-            row["failed_seconds"] += seconds
-        totals[trial.state.name] += seconds
+        if kind != "complete":
+            row[f"{kind}_seconds"] += seconds
+        totals[kind] += seconds
     total = sum(totals.values())
     for row in rows.values():
-        for name in ("device_seconds", "pruned_seconds", "failed_seconds"):
+        for name in ("device_seconds", "pruned_seconds", "failed_seconds",
+                     "interrupted_seconds"):
             row[name] = round(row[name], 1)
     return {
         "device_seconds": round(total, 1),
-        "pruned_share": round(totals["PRUNED"] / total, 4) if total else 0.0,
-        "failed_share": round(totals["FAIL"] / total, 4) if total else 0.0,
+        **{f"{kind}_share": round(totals[kind] / total, 4) if total else 0.0
+           for kind in ("pruned", "failed", "interrupted")},
         "by_model_precision": sorted(rows.values(), key=lambda r: -r["device_seconds"]),
     }
 
@@ -142,27 +185,48 @@ def _columns(rows: list[list[str]]) -> list[str]:
             for row in rows]
 
 
+def _counts_line(info: dict[str, Any]) -> str:
+    counts = dict(info["counts"])
+    stopped = counts.pop("INTERRUPTED", 0)
+    line = ", ".join(f"{n} {state}" for state, n in counts.items())
+    if stopped:
+        requeued = sum(t["requeued_as"] is not None for t in info.get("interrupted", ()))
+        again = ("re-queued" if requeued == stopped else
+                 "not re-queued" if not requeued else f"{requeued} re-queued")
+        line += f", {stopped} interrupted ({again})"
+    return f"study '{info['study']}': {line}"
+
+
+def _compute_lines(spent: dict[str, Any]) -> list[str]:
+    # The interrupted share and column appear only where a trial was interrupted, so that a
+    # study without one reads as it always has.
+    stopped = spent.get("interrupted_share", 0.0) > 0
+    shares = (f"{100 * spent['pruned_share']:.0f}% on pruned, "
+              f"{100 * spent['failed_share']:.0f}% on failed and "
+              f"{100 * spent['interrupted_share']:.0f}% on interrupted trials" if stopped else
+              f"{100 * spent['pruned_share']:.0f}% on pruned and "
+              f"{100 * spent['failed_share']:.0f}% on failed trials")
+    names = ["device", "pruned", "failed", *(["interrupted"] if stopped else [])]
+    rows = [["model", "precision", "trials", *(f"{name}-s" for name in names)]]
+    rows += [[r["model_name"], r["fp_precision"], str(r["trials"]),
+              *(f"{r[f'{name}_seconds']:.0f}" for name in names)]
+             for r in spent["by_model_precision"]]
+    return [f"compute: {spent['device_seconds']:.0f} device-seconds, {shares}",
+            *("  " + line for line in _columns(rows))]
+
+
 def render_status(info: dict[str, Any], fmt: str) -> str:
     """`hpo status`: counts, the best trial, compute spent, the running trials."""
     if fmt != "text":
         return dump(info, fmt)
-    counts = ", ".join(f"{n} {state}" for state, n in info["counts"].items())
-    lines = [f"study '{info['study']}': {counts}"]
+    lines = [_counts_line(info)]
     best = info["best"]
     if best:
         lines.append(f"best: trial {best['trial']}, {best['objective']} {best['value']:.4f}")
         lines += ["  " + line for line in _columns(
             [[name, _number(value)] for name, value in best["params"].items()])]
-    spent = info["compute"]
-    if spent["by_model_precision"]:
-        lines.append(f"compute: {spent['device_seconds']:.0f} device-seconds, "
-                     f"{100 * spent['pruned_share']:.0f}% on pruned and "
-                     f"{100 * spent['failed_share']:.0f}% on failed trials")
-        rows = [["model", "precision", "trials", "device-s", "pruned-s", "failed-s"]]
-        rows += [[r["model_name"], r["fp_precision"], str(r["trials"]),
-                  f"{r['device_seconds']:.0f}", f"{r['pruned_seconds']:.0f}",
-                  f"{r['failed_seconds']:.0f}"] for r in spent["by_model_precision"]]
-        lines += ["  " + line for line in _columns(rows)]
+    if info["compute"]["by_model_precision"]:
+        lines += _compute_lines(info["compute"])
     if info["running"]:
         names = sorted({name for trial in info["running"] for name in trial["params"]})
         rows = [["running", "worker", "for", *names]]
@@ -182,6 +246,7 @@ def render_studies(rows: list[dict[str, Any]], url: str, fmt: str) -> str:
     lines = []
     for row in rows:
         best = f"{row['best_value']:.4f}" if row["best_value"] is not None else "-"
-        lines.append(f"{row['study']}\t{row['trials']} trials\tbest {best}\t"
-                     f"started {row['started']}")
+        # A study with no trial has no start time: "-", as for its best value.
+        started = row["started"] or "-"
+        lines.append(f"{row['study']}\t{row['trials']} trials\tbest {best}\tstarted {started}")
     return "\n".join(lines)
