@@ -50,7 +50,7 @@ def test_check_prints_a_table_and_keeps_the_verdicts_in_the_study(tiny_study, st
         # Timed after the first step, at its batch of two sequences.
         assert verdict.step_batch == check.BATCH
         assert verdict.attention == "sdpa" and verdict.peak_mib is None  # a CPU reports none
-        assert re.search(rf"{re.escape(verdict.model)}\s+none\s+[\d.]+\s+"
+        assert re.search(rf"{re.escape(verdict.model)}\s+fp32\s+[\d.]+\s+"
                          rf"{check.BATCH}\s+-\s+sdpa\s+ok", out)
     assert "2 of 2 model x precision combinations usable" in out
 
@@ -80,7 +80,7 @@ def test_run_checks_once_per_device_kind_and_skip_check_skips(tiny_study, storag
     assert verdicts(storage) is None
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "2"]) == 0
-    assert "checking 2 model x precision combination(s)" in capsys.readouterr().out
+    assert "checking 2 model x precision combinations" in capsys.readouterr().out
     assert len(verdicts(storage)) == 2
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "3"]) == 0
@@ -88,7 +88,7 @@ def test_run_checks_once_per_device_kind_and_skip_check_skips(tiny_study, storag
     # A combination no worker has judged yet (an adapter method) is checked, and only it.
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "4", "--set", "training.peft=lora"]) == 0
-    assert "checking 2 model x precision x peft method combination(s)" in (
+    assert "checking 2 model x precision x peft method combinations" in (
         capsys.readouterr().out)
     assert sorted(v.peft for v in verdicts(storage)) == ["lora", "lora", "none", "none"]
 

@@ -13,7 +13,7 @@ from conftest import REPO, start_worker
 from hpo import check, memory
 from hpo.cli import main
 from hpo.config import load
-from hpo.hardware import detect, native_precisions
+from hpo.hardware import detect, native_precisions, precision_names
 from hpo.memory import BatchLimit
 from hpo.space import PIN_ATTR, PinnedSpace, by_cost
 from hpo.storage import open_storage
@@ -52,7 +52,7 @@ def test_auto_precision_is_resolved_by_the_first_worker_not_by_create(tiny_study
     pinned = study.user_attrs["search_space"]
     assert tuple(pinned["fp_precision"]) == expected.kept
     assert pinned["decided"] == {"by": "cost", "tolerance": 0.1, "dropped": expected.dropped}
-    assert f"fp_precision auto searches {', '.join(expected.kept)}" in capsys.readouterr().out
+    assert f"precisions searched: {precision_names(expected.kept)}" in capsys.readouterr().out
     (trial,) = study.trials
     assert trial.params["fp_precision"] in expected.kept
 

@@ -207,6 +207,44 @@ def test_run_continues_and_stops_at_the_study_total(tiny_study, tmp_path, capsys
     assert sum(trial_states(storage).values()) == 3
 
 
+def test_a_run_says_the_study_first_and_what_to_run_next(tiny_study, tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert main(["run", "--config", str(tiny_study), "--storage", storage,
+                 "--n-trials", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"study 'tiny' on {storage}: 0/2 trials finished; device cpu")
+    assert "precisions: fp32" in lines[1]  # as users name it, not fp_precision's "none"
+    out = "\n".join(lines)
+    assert "none" not in out.replace("peft=none", "")
+    assert "  1/2 trials finished, about " in out and " left" in out
+    assert "  2/2 trials finished" in out
+    assert "this worker ran 2 trials; the study has 2 of 2 finished" in out
+    assert f"the study is in {storage}" in out
+    assert lines[-1].startswith(f"next: hpo final --config {tiny_study}")
+
+
+def test_the_pace_of_a_study_gives_the_time_left():
+    pace = worker.Pace(since=time.monotonic() - 60, first=2)
+    assert pace.progress(2, 20) == "  2/20 trials finished"  # nothing finished since: no guess
+    assert pace.progress(5, 20) == "  5/20 trials finished, about 5 min left"
+    assert pace.progress(20, 20) == "  20/20 trials finished"
+    assert pace.progress(7, float("inf")) == "  7 trials finished"
+    assert [worker.duration(s) for s in (42, 600, 7200)] == ["42 s", "10 min", "2.0 h"]
+    assert [worker.plural(n, "trial") for n in (0, 1, 2)] == ["0 trials", "1 trial", "2 trials"]
+
+
+def test_the_precision_decision_names_fp32_and_keeps_the_rule_for_verbose():
+    from hpo.space import PinnedSpace
+
+    pinned = PinnedSpace({"fp_precision": "auto"}, ("bf16",), {
+        "by": "cost", "tolerance": 0.1,
+        "dropped": {"none": "its step took 1.18x bf16's, summed over 2 model(s)"}})
+    assert worker.describe_decision(pinned) == (
+        "precisions searched: bf16; fp32 left out (its step took 1.18x bf16's, summed over "
+        "2 model(s))")
+    assert "study.precision_tolerance 0.1" in worker.describe_decision(pinned, verbose=True)
+
+
 def wait_for(condition, seconds: float = 180) -> None:
     deadline = time.monotonic() + seconds
     while not condition():

@@ -24,7 +24,7 @@ import torch
 
 from hpo import adapters, memory
 from hpo.errors import CheckError, one_line
-from hpo.hardware import Device
+from hpo.hardware import Device, precision_name
 from hpo.resources import Resources
 from hpo.train import Plan, autocast, make_optimizer, prepare, probe_step
 
@@ -251,8 +251,8 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
     if missing:
         report.message(f"checking {len(missing)} model x precision"
                        f"{' x peft method' if methods(resources) != ['none'] else ''} "
-                       f"combination(s) on {resources.device.describe()}: a few steps each "
-                       f"(--skip-check skips)")
+                       f"combination{'s' if len(missing) != 1 else ''}: a few training steps "
+                       f"each, once per study and kind of device (--skip-check skips)")
         verdicts = verdicts + list(check_all(resources, precisions, done))
         study.set_user_attr(key(resources.device), [asdict(v) for v in verdicts])
         report.message(table(verdicts))
@@ -269,7 +269,7 @@ def table(verdicts: list[Verdict]) -> str:
     rows = [("model", "precision", *(("peft",) if with_peft else ()), "s/step", "batch",
              "peak MiB", "attention", "result")]
     for v in verdicts:
-        rows.append((v.model, v.precision, *((v.peft,) if with_peft else ()),
+        rows.append((v.model, precision_name(v.precision), *((v.peft,) if with_peft else ()),
                      "-" if v.step_seconds is None else f"{v.step_seconds:.3f}",
                      "-" if v.step_batch is None else str(v.step_batch),
                      "-" if v.peak_mib is None else f"{v.peak_mib:.0f}", v.attention or "-",

@@ -75,6 +75,15 @@ def native_precisions(device: Device) -> tuple[str, ...]:
     return tuple(p for p in PRECISIONS if native[p])
 
 
+def precision_name(precision: str) -> str:
+    """A precision as users call it: `fp_precision: none` trains in fp32."""
+    return "fp32" if precision == "none" else precision
+
+
+def precision_names(precisions: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(precision_name(p) for p in precisions)
+
+
 def autocast_dtype(precision: str) -> torch.dtype | None:
     return _DTYPES[precision]
 

@@ -10,6 +10,7 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hpo.hardware import precision_name
 from hpo.outcome import Outcome
 from hpo.space import Params
 from hpo.train import Plan
@@ -17,9 +18,13 @@ from hpo.train import Progress as TrainProgress
 
 
 def describe_params(params: dict) -> str:
+    """Parameters as a user reads them: short floats, the precision as `precision=fp32` rather
+    than the parameter's `fp_precision=none`."""
     parts = []
     for name, value in params.items():
         shown = f"{value:.3g}" if isinstance(value, float) else str(value)
+        if name == "fp_precision":
+            name, shown = "precision", precision_name(str(value))
         parts.append(f"{name}={shown}")
     return " ".join(parts)
 
@@ -32,18 +37,27 @@ class ConsoleReporter:
         self._task = None
 
     def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None:
-        searched = f"batch search {probes} probes" if probes else "batch from cache"
+        searched = (f"batch search {probes} probe{'s' if probes != 1 else ''}" if probes
+                    else "batch from cache")
         peft = params.extras.get("peft", "none")
         adapter = "" if peft == "none" else f" peft={peft}"
         self.console.print(
-            f"trial {number} start: model={params.model_name} fp_precision={params.fp_precision}"
+            f"trial {number} start: model={params.model_name} "
+            f"precision={precision_name(params.fp_precision)}"
             f"{adapter} lr={params.learning_rate:.3g} effective {plan.effective_batch} = "
             f"{plan.physical_batch} x {plan.grad_accum_steps} accumulation "
             f"(eval batch {plan.eval_batch}, {searched})"
         )
+        self._start_progress(f"trial {number}", plan)
+
+    def run_started(self, label: str, plan: Plan) -> None:
+        """A training run outside a trial (hpo final's seeds), called `label` in its lines."""
+        self._start_progress(label, plan)
+
+    def _start_progress(self, label: str, plan: Plan) -> None:
         if self.live:
             self._progress = Progress(
-                TextColumn("  trial {task.fields[number]} epoch {task.fields[epoch]}"),
+                TextColumn("  {task.fields[label]} epoch {task.fields[epoch]}"),
                 BarColumn(),
                 TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
                 TextColumn("{task.fields[speed]}"),
@@ -53,10 +67,10 @@ class ConsoleReporter:
             )
             self._progress.start()
             self._task = self._progress.add_task(
-                "train", total=1, number=number, epoch=f"1/{plan.epochs}", speed=""
+                "train", total=1, label=label, epoch=f"1/{plan.epochs}", speed=""
             )
 
-    def step(self, number: int, progress: TrainProgress, epochs: int) -> None:
+    def step(self, number: int | str, progress: TrainProgress, epochs: int) -> None:
         if self._progress is not None:
             self._progress.update(
                 self._task,
@@ -66,8 +80,10 @@ class ConsoleReporter:
                 speed=f"{progress.samples_per_second:.0f} samples/s",
             )
 
-    def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None:
-        self.console.print(f"  trial {number} epoch {epoch}/{epochs}: score {score:.4f}")
+    def epoch(self, number: int | str, epoch: int, epochs: int, score: float) -> None:
+        """`number`: a trial's, or the label of a run outside a trial."""
+        label = f"trial {number}" if isinstance(number, int) else number
+        self.console.print(f"  {label} epoch {epoch}/{epochs}: score {score:.4f}")
 
     def run_finished(self) -> None:
         """A training run outside a trial (hpo final) ended: its progress bar goes."""

@@ -20,7 +20,7 @@ from hpo.config import (
     StudyConfig,
 )
 from hpo.errors import SpaceError
-from hpo.hardware import Device, native_precisions
+from hpo.hardware import Device, native_precisions, precision_name, precision_names
 
 PIN_ATTR = "search_space"
 
@@ -59,9 +59,9 @@ class PinnedSpace:
         if self.fp_precision is None:
             return (f"{self.declared.get('fp_precision')} (resolved by the first worker that "
                     f"runs trials, on its device)")
-        listed = ", ".join(self.fp_precision)
+        listed = precision_names(self.fp_precision)
         if self.declared.get("fp_precision") == "auto" and self.decided is None:
-            return f"{listed}, before the check's step times narrow auto"
+            return f"{listed} (auto: the check keeps the fast ones)"
         return listed
 
 
@@ -116,8 +116,8 @@ def by_cost(seconds: dict[str, dict[str, float]], candidates: tuple[str, ...],
     cheapest = min(cost.values())
     fastest = min(usable, key=cost.__getitem__)
     kept = tuple(p for p in PRECISIONS if p in cost and cost[p] <= (1 + tolerance) * cheapest)
-    dropped |= {p: f"its step took {cost[p] / cheapest:.2f}x {fastest}'s, summed over "
-                   f"{len(complete)} model(s)" for p in usable if p not in kept}
+    dropped |= {p: f"its step took {cost[p] / cheapest:.2f}x {precision_name(fastest)}'s, "
+                   f"summed over {len(complete)} model(s)" for p in usable if p not in kept}
     return CostChoice(kept, dropped)
 
 

@@ -22,7 +22,7 @@ from hpo.config import StudyConfig
 from hpo.data.splits import Splits
 from hpo.errors import WorkerStopped
 from hpo.executor import execute, free, give_back
-from hpo.hardware import Device
+from hpo.hardware import Device, precision_name, precision_names
 from hpo.liveness import LiveTrial, heartbeat, reap
 from hpo.outcome import GivenBack, Outcome
 from hpo.report import ConsoleReporter
@@ -66,15 +66,16 @@ def below_baseline_warning(study: optuna.Study, objective: str, baseline: float)
             f"epochs, more trials or another learning-rate range")
 
 
-def describe_decision(pinned: PinnedSpace) -> str:
+def describe_decision(pinned: PinnedSpace, verbose: bool = False) -> str:
     """The precisions `fp_precision: auto` searches, and why the others are not."""
     decided = pinned.decided or {}
-    text = f"fp_precision auto searches {', '.join(pinned.fp_precision or ())}"
+    text = f"precisions searched: {precision_names(pinned.fp_precision or ())}"
     if decided.get("by") == "native":
-        return f"{text}: every native precision ({decided['why']})"
+        return f"{text}: every native one ({decided['why']})"
     dropped = decided.get("dropped", {})
-    if dropped:
-        text += "".join(f"; not {p} ({why})" for p, why in dropped.items())
+    text += "".join(f"; {precision_name(p)} left out ({why})" for p, why in dropped.items())
+    if not verbose:
+        return text
     return (f"{text} (kept: within study.precision_tolerance {decided.get('tolerance', 0):g} "
             f"of the fastest precision's step time per sequence, summed over the models; "
             f"fp_precision: native searches every native one)")
@@ -84,6 +85,59 @@ class LoopReporter(Protocol):
     def message(self, text: str) -> None: ...
     def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None: ...
     def interrupted(self, text: str) -> None: ...
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def study_lines(config: StudyConfig, url: str, device: Device, splits: Splits,
+                pinned: PinnedSpace, finished: int, n_trials: float) -> list[str]:
+    """What a worker says first: the study, its budget and device; then data and precisions."""
+    goal = ("no trial budget" if math.isinf(n_trials)
+            else f"{finished}/{n_trials:g} trials finished")
+    data = config.data
+    return [
+        f"study '{config.study.name}' on {redact(url)}: {goal}; device {device.describe()}",
+        f"  data: {len(splits.train)} training / {len(splits.validation)} validation posts "
+        f"(task {data.task}, up to {data.max_length} tokens); precisions: "
+        f"{pinned.describe_precisions()}",
+    ]
+
+
+def keep_models(config: StudyConfig, url: str, resources: Resources,
+                reporter: ConsoleReporter) -> None:
+    """Set the keeper of the best trials' models up, saying where they go or why none does."""
+    if config.data.cv_folds and config.study.keep_best:
+        reporter.message(f"  no trial's model is kept: a cross-validated trial trains "
+                         f"{config.data.cv_folds} models (data.cv_folds), none of them the "
+                         f"trial's; hpo final trains the chosen configuration again")
+    elif config.study.keep_best:
+        resources.keeper = artifacts.keeper_for(config, url)
+        if resources.keeper is None:
+            reporter.message("  no trial's model is kept: a server storage has no artifact "
+                             "store unless study.artifacts (or HPO_ARTIFACTS) names one, a "
+                             "directory every worker shares or s3://BUCKET")
+        else:
+            reporter.message(f"  models kept: the best {plural(resources.keeper.best, 'trial')}"
+                             f"' in {resources.keeper.where}")
+
+
+def closing_lines(study: optuna.Study, url: str, result: WorkerResult, n_trials: float,
+                  resources: Resources, next_command: str) -> list[str]:
+    """Where the results are and what to run next, after the best trial."""
+    budget_text = "" if math.isinf(n_trials) else f" of {n_trials:g}"
+    where = f"the study is in {redact(url)}"
+    keeper = resources.keeper
+    if keeper is not None and artifacts.kept(study):
+        where += f"; the best trials' models in {keeper.where}"
+    return [
+        f"this worker ran {plural(result.ran, 'trial')}; the study has "
+        f"{result.finished}{budget_text} finished",
+        where,
+        f"next: hpo final {next_command}  (train the best trial again, score it on the "
+        f"test split, export a model)",
+    ]
 
 
 def work(
@@ -96,70 +150,47 @@ def work(
     n_trials: float,
     timeout: float | None = None,
     run_check: bool = True,
+    verbose: bool = False,
+    next_command: str | None = None,
 ) -> None:
     """Set the worker up and run trials until the study holds `n_trials` finished ones (or
     `timeout` passes); raises WorkerStopped after too many failures in a row. Unless told
     not to, the study's model x precision check runs first if no worker on this kind of
-    device has run it."""
+    device has run it. `next_command` names the study for the closing advice (`--study
+    NAME` by default)."""
     hardware.configure_backends(device)
     study, pinned = join(config, storage, device, splits)
     reporter = ConsoleReporter()
+    finished = finished_count(study)
+    for line in study_lines(config, url, device, splits, pinned, finished, n_trials):
+        reporter.message(line)
     own = (config.study.heartbeat_interval, config.study.grace_period)
     if own != (storage.heartbeat_interval, storage.grace_period):
-        reporter.message(f"heartbeat every {storage.heartbeat_interval} s, grace period "
+        reporter.message(f"  heartbeat every {storage.heartbeat_interval} s, grace period "
                          f"{storage.grace_period} s: the study's, fixed when it was created "
                          f"(this worker asked for {own[0]} s and {own[1]} s)")
     resources = load_resources(config, pinned, device, splits)
-    if config.data.cv_folds and config.study.keep_best:
-        reporter.message(f"no trial's model is kept: a cross-validated trial trains "
-                         f"{config.data.cv_folds} models (data.cv_folds), none of them the "
-                         f"trial's; hpo final trains the chosen configuration again")
-    elif config.study.keep_best:
-        resources.keeper = artifacts.keeper_for(config, url)
-        if resources.keeper is None:
-            reporter.message("no trial's model is kept: a server storage has no artifact "
-                             "store unless study.artifacts (or HPO_ARTIFACTS) names one, a "
-                             "directory every worker shares or s3://BUCKET")
-        else:
-            reporter.message(f"the models of the best {resources.keeper.best} trial(s) are "
-                             f"kept in the artifact store {resources.keeper.where}")
-    data = config.data
-    finished = finished_count(study)
-    goal = "no trial budget" if math.isinf(n_trials) else f"{finished}/{n_trials} finished"
-    reporter.message(
-        f"study '{config.study.name}' on {redact(url)}: {goal}; "
-        f"device {device.describe()}; fp_precision searched: {pinned.describe_precisions()}; "
-        f"data {len(splits.train)} train / {len(splits.validation)} validation posts, "
-        f"task {data.task}, max_length {data.max_length}"
-    )
+    keep_models(config, url, resources, reporter)
     small = small_data_warning(splits)
     if small:
         reporter.warning(small)
+    next_command = next_command or f"--study {config.study.name}"
     if finished >= n_trials:
         reporter.message(f"study '{config.study.name}' already has {finished} finished trials "
-                         f"(asked for {n_trials}); nothing to do")
+                         f"(asked for {n_trials:g}); nothing to do")
         reporter.best(study)
+        reporter.message(f"next: hpo final {next_command}")
         return
     if not config.training.isolate_trials:
         began = time.perf_counter()
         sources = resources.preload()
-        reporter.message(
-            f"loaded {len(sources)} model(s) in {time.perf_counter() - began:.1f} s; tokens "
-            f"from: {'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}"
-        )
+        if verbose:
+            reporter.message(
+                f"  loaded {plural(len(sources), 'model')} in "
+                f"{time.perf_counter() - began:.1f} s; tokens from: "
+                f"{'; '.join(f'{Path(m).name} {s}' for m, s in sources.items())}")
     with memory.long_lived_frozen():
-        verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
-                    else check.stored(study, device))
-        decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
-                                    config.study.precision_tolerance)
-        if decided.decided != pinned.decided:
-            reporter.message(describe_decision(decided))
-        stored_tolerance = (decided.decided or {}).get("tolerance")
-        if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
-            reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
-                             f"not applied: the study decided its precisions with "
-                             f"{stored_tolerance:g} (a new study decides again)")
-        pinned = resources.pinned = decided
+        pinned = decide(study, storage, resources, pinned, reporter, run_check, verbose)
         objective = config.study.objective
         baseline = resources.baseline().get(objective)
         study.set_user_attr("baseline", {"name": BASELINE, objective: baseline})
@@ -174,20 +205,68 @@ def work(
             max_consecutive_failures=config.study.max_consecutive_failures,
             sampler_for=functools.partial(make_sampler, config) if seeded else None,
         )
-    reporter.message(f"this worker ran {result.ran} trials; the study has "
-                     f"{result.finished} finished")
     reporter.best(study)
     reporter.message(f"trivial baseline ({BASELINE}): {objective} {baseline:.4f} "
                      f"on the validation split")
     below = below_baseline_warning(study, objective, baseline)
     if below:
         reporter.warning(below)
+    for line in closing_lines(study, url, result, n_trials, resources, next_command):
+        reporter.message(line)
+
+
+def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resources,
+           pinned: PinnedSpace, reporter: ConsoleReporter, run_check: bool,
+           verbose: bool) -> PinnedSpace:
+    """The study's check (unless skipped or done) and, from its step times, the precisions
+    `auto` searches; says what was decided. Returns the space the trials search."""
+    config = resources.config
+    verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
+                else check.stored(study, resources.device))
+    decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
+                                config.study.precision_tolerance)
+    if decided.decided != pinned.decided:
+        reporter.message(describe_decision(decided, verbose))
+    stored_tolerance = (decided.decided or {}).get("tolerance")
+    if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
+        reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
+                         f"not applied: the study decided its precisions with "
+                         f"{stored_tolerance:g} (a new study decides again)")
+    resources.pinned = decided
+    return decided
 
 
 @dataclass(frozen=True)
 class WorkerResult:
     ran: int  # trials this worker ran
     finished: int  # finished trials in the study when it stopped
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The study's finished trials per second since this worker first counted them, every
+    worker's included, and from it the time left to the budget."""
+
+    since: float  # time.monotonic() at the first count
+    first: int  # finished trials then
+
+    def progress(self, finished: int, n_trials: float) -> str:
+        if math.isinf(n_trials):
+            return f"  {finished} trials finished"
+        text = f"  {finished}/{n_trials:g} trials finished"
+        done = finished - self.first
+        left = n_trials - finished
+        if done <= 0 or left <= 0:
+            return text
+        return f"{text}, about {duration(left * (time.monotonic() - self.since) / done)} left"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 TrialRunner = Callable[[optuna.Study, LiveTrial], tuple[Outcome, FrozenTrial]]
@@ -265,8 +344,9 @@ def run_worker(
     study_id = storage.get_study_id_from_name(study.study_name)
     reap_every = storage.get_heartbeat_interval() or poll_seconds
     ran = failures = 0
-    waiting_said = False
+    waiting_said = told = False
     last_reap = -math.inf
+    pace: Pace | None = None
     while True:
         # Reaping reads every running trial's heartbeat: once per heartbeat interval is
         # enough, since nothing can turn stale faster than that. Not within a grace period
@@ -277,6 +357,10 @@ def run_worker(
             last_reap = time.monotonic()
         with budget.study_lock(storage.engine, study.study_name) as connection:
             counts = budget.count_in_database(connection, study_id)
+            pace = pace or Pace(time.monotonic(), counts.finished)
+            if told:
+                reporter.message(pace.progress(counts.finished, n_trials))
+                told = False
             if counts.finished >= n_trials:
                 break
             if timeout is not None and time.monotonic() - started >= timeout:
@@ -307,6 +391,7 @@ def run_worker(
             raise
         ran += 1
         reporter.trial_finished(finished, outcome)
+        told = True
         # A dropped result was lost for want of contact, not for anything of its own.
         if not outcome.dropped:
             failures = failures + 1 if outcome.state == TrialState.FAIL else 0
