@@ -2,6 +2,7 @@
 run on the held-out test split, and exports a model that a plain transformers pipeline, in a
 process of its own, scores to the report's figure. Real training of the tiny model."""
 
+import ast
 import json
 import os
 import shutil
@@ -52,12 +53,13 @@ PIPELINE = textwrap.dedent("""
 
     model, data = Path(sys.argv[1]), Path(sys.argv[2])
     report = json.loads((model / "report.json").read_text())
-    thresholds = json.loads((model / "config.json").read_text())["decision_thresholds"]
     import csv
     with (data / "redsm5_posts.csv").open(encoding="utf-8", newline="") as handle:
         texts = {row["post_id"]: row["text"] for row in csv.DictReader(handle)}
     ids = report["data"]["test_post_ids"]
     classify = pipeline("text-classification", model=str(model), top_k=None, truncation=True)
+    # As the README and the model card apply them.
+    thresholds = classify.model.config.decision_thresholds
     out = classify([texts[i] for i in ids])
     predicted = {i: [x["label"] for x in o if x["score"] > thresholds[x["label"]]]
                  for i, o in zip(ids, out)}
@@ -129,6 +131,42 @@ def test_the_exported_model_scores_in_a_plain_pipeline_as_the_report_says(
     card = (output / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n")
     assert f"{exported['test']['macro_f1']:.4f}" in card
+    # The search's optimism is shown beside the number it is measured against.
+    at_half = report["seed_spread"]["test_at_0.5_macro_f1"]["mean"]
+    assert report["optimism"] == pytest.approx(report["search_validation"] - at_half, abs=1e-9)
+    assert f"{report['optimism']:+.4f} against the mean test macro_f1 at threshold 0.5" in (
+        " ".join(card.split()))
+    assert f"{at_half:.4f}" in card and f"{at_half:.4f}" in shown
+    # Each seed said as users count them, never as the trial's start.
+    assert "seed 1 of 2 (training seed 42)" in shown and "seed 2 of 2" in shown
+    assert f"trial {best.number} start" not in shown
+    # The weights readable by whoever reads the config (safetensors writes them 0600).
+    assert len({path.stat().st_mode for path in output.iterdir()}) == 1
+
+    # The README's snippet, as written, prints the symptoms over their thresholds first.
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "demo").symlink_to(output)
+    result = subprocess.run(
+        [sys.executable, "-c", readme_snippet()], capture_output=True, text=True,
+        timeout=300, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    symptoms, scores = (ast.literal_eval(line) for line in result.stdout.splitlines())
+    thresholds = exported["thresholds"]
+    assert symptoms == [s["label"] for s in scores if s["score"] > thresholds[s["label"]]]
+    assert {s["label"] for s in scores} == set(thresholds)
+    # So does the model card's, one list per post.
+    card_code = card.split("```python\n", 1)[1].split("```", 1)[0].replace("PATH", str(output))
+    result = subprocess.run([sys.executable, "-c", card_code], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert all(set(ast.literal_eval(line)) <= set(thresholds)
+               for line in result.stdout.splitlines()) and len(result.stdout.splitlines()) == 2
+
+
+def readme_snippet() -> str:
+    """The README's pipeline snippet, the Python between `python - <<'EOF'` and `EOF`."""
+    text = (REPO / "README.md").read_text()
+    return text.split("python - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
 
 
 def test_refit_trains_on_training_and_validation_with_thresholds_at_half(study, tmp_path):

@@ -56,6 +56,7 @@ def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
                    thresholds=report["exported"]["thresholds"])
         (partial / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         (partial / CARD).write_text(model_card(report))
+        modes_like(partial, partial / REPORT)
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)
     except BaseException:
@@ -64,6 +65,16 @@ def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
             with contextlib.suppress(OSError):
                 parent.rmdir()
         raise
+
+
+def modes_like(directory: Path, like: Path) -> None:
+    """Every file in `directory` given the mode of `like`, a file written as the umask says:
+    safetensors writes its weights 0600, so a model shared on a group's disk could be read
+    by its config and tokenizer but not its weights."""
+    mode = like.stat().st_mode & 0o777
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(mode)
 
 
 def save_model(directory: Path, model: torch.nn.Module, model_name: str,
@@ -97,6 +108,15 @@ def _adapters(training: dict[str, Any], precision: str) -> str:
             f"{config.adapter_alpha():g}, dropout {config.lora_dropout:g}; on {targets}; body in "
             f"{adapters.body_dtype(config, precision)} during training) merged into the "
             f"weights, the head trained whole; ")
+
+
+def optimism_base(report: dict[str, Any]) -> float:
+    """The number the search's optimism is measured against: the mean test score over seeds
+    at threshold 0.5 (reports written before it was recorded: search value - optimism)."""
+    at_half = report["seed_spread"].get("test_at_0.5_" + report["objective"])
+    if at_half is not None:
+        return at_half["mean"]
+    return round(report["search_validation"] - report["optimism"], 4)
 
 
 def model_card(report: dict[str, Any]) -> str:
@@ -138,6 +158,9 @@ threshold in `config.decision_thresholds` ({report['thresholds']}).
 ```python
 from transformers import pipeline
 classify = pipeline("text-classification", model="PATH", top_k=None, truncation=True)
+thresholds = classify.model.config.decision_thresholds  # symptom -> threshold
+for scores in classify(["a post", "another post"]):  # per post, every symptom's probability
+    print([s["label"] for s in scores if s["score"] > thresholds[s["label"]]])
 ```
 
 ## Data
@@ -172,8 +195,10 @@ No trial of the search read the test split. The exported model was chosen among
 {report['baseline']['micro_f1']:.4f} |
 
 Test {objective} over seeds: mean {spread['mean']:.4f}, standard deviation {spread['std']:.4f}.
-The search's validation {objective} for this trial was {report['search_validation']:.4f}
-(optimistic by {report['optimism']:+.4f} against the test mean).
+The search's validation {objective} for this trial was {report['search_validation']:.4f},
+{report['optimism']:+.4f} against the mean test {objective} at threshold 0.5 over seeds,
+{optimism_base(report):.4f} (the threshold the search scored with): how optimistic the search
+was.
 
 | symptom | precision | recall | F1 | test posts with it | threshold |
 |---|---|---|---|---|---|

@@ -27,6 +27,7 @@ from hpo.data.splits import Splits
 from hpo.data.tasks import build_examples
 from hpo.drivers import BestEpoch, scorer
 from hpo.errors import ConfigError, SpaceError
+from hpo.export import optimism_base
 from hpo.hardware import native_precisions
 from hpo.models import ModelStore
 from hpo.planning import base_plan, fit_batch
@@ -156,7 +157,7 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
 
 
 def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold: torch.Tensor,
-              seed: int, *, refit: bool, reporter: Reporter,
+              seed: int, *, refit: bool, reporter: Reporter, label: str,
               ) -> tuple[Run, torch.nn.Module]:
     """Train the trial's configuration with `seed` (its data order and dropout; the head is
     initialised from it too) and score the weights of the epoch the study's rule keeps, as
@@ -176,12 +177,12 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     best = BestEpoch(model, rule, plan.epochs)
 
     def on_epoch(epoch: int, score: float) -> None:
-        reporter.epoch(found.number, epoch, plan.epochs, score)
+        reporter.epoch(label, epoch, plan.epochs, score)
         best.after_epoch(epoch, [s.get(objective) for s in scores])
 
-    reporter.trial_started(found.number, found.params, plan, 0)
+    reporter.run_started(label, plan)
     train(trained, data.train, plan, device, pad_id=data.pad_id, evaluate=evaluate,
-          on_epoch=on_epoch, on_step=lambda p: reporter.step(found.number, p, plan.epochs),
+          on_epoch=on_epoch, on_step=lambda p: reporter.step(label, p, plan.epochs),
           pos_weight=loss_pos_weight(found.training.pos_weight, data.train.labels))
     del trained
     if refit:
@@ -264,10 +265,12 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
     for index in range(options.seeds):
         seed = found.training.seed + index
         split = "training + validation" if options.refit else "training"
-        reporter.message(f"run {index + 1}/{options.seeds} of trial {found.number}: seed "
-                         f"{seed}, trained on the {split} split ({len(data.train)} examples)")
+        reporter.message(f"seed {index + 1} of {options.seeds} (training seed {seed}): trial "
+                         f"{found.number}'s configuration trained on the {split} split "
+                         f"({len(data.train)} examples)")
         run, model = train_run(found, plan, resources, data, gold_validation, seed,
-                               refit=options.refit, reporter=reporter)
+                               refit=options.refit, reporter=reporter,
+                               label=f"seed {index + 1}/{options.seeds}")
         reporter.run_finished()
         scored = score(run, gold_validation, gold_test, names, options.tuned)
         runs.append((run, scored))
@@ -338,7 +341,8 @@ def _report(study: optuna.Study, resources: Resources, splits: Splits, options: 
              "test": _scores(s.test), "test_at_0.5": _scores(s.test_at_half)}
             for r, s in runs
         ],
-        "seed_spread": {"test_" + objective: spread(test_values)},
+        "seed_spread": {"test_" + objective: spread(test_values),
+                        "test_at_0.5_" + objective: spread(at_half)},
         "exported": {
             "seed": run.seed,
             "chosen_by": "first seed (--refit)" if options.refit else "validation score",
@@ -353,7 +357,8 @@ def _report(study: optuna.Study, resources: Resources, splits: Splits, options: 
             "thresholds": dict(zip(names, scored.thresholds, strict=True)),
         },
         "baseline": {"name": "all_positive", **_scores(baseline)},
-        "optimism": round(found.value - statistics.fmean(at_half), 4),
+        # From the rounded figures the report shows, so that they subtract exactly.
+        "optimism": round(round(found.value, 4) - spread(at_half)["mean"], 4),
     }
 
 
@@ -372,8 +377,10 @@ def render(report: dict[str, Any]) -> str:
         f"test split {posts['test']} posts; thresholds {report['thresholds']}",
         f"search's validation {objective}: {report['search_validation']:.4f}; test {objective} "
         f"over seeds: mean {spread_['mean']:.4f}, std {spread_['std']:.4f}, "
-        f"min {spread_['min']:.4f}, max {spread_['max']:.4f}; validation - test at threshold "
-        f"0.5: {report['optimism']:+.4f} (how optimistic the search was)",
+        f"min {spread_['min']:.4f}, max {spread_['max']:.4f}",
+        f"how optimistic the search was: {report['optimism']:+.4f} (its validation "
+        f"{objective} minus the mean test {objective} at threshold 0.5, the threshold the "
+        f"search scored with: {optimism_base(report):.4f})",
         f"exported model: seed {exported['seed']}, chosen by {exported['chosen_by']}",
     ]
     for name in ("macro_f1", "micro_f1"):
