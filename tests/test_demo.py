@@ -16,16 +16,34 @@ from conftest import REPO
 from optuna.trial import TrialState
 
 
+def enclosing_site_packages() -> list[str]:
+    """The site-packages directories this interpreter imports from: a virtual environment's
+    own and, where it was made with system site packages, its base interpreter's."""
+    return [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")
+            and Path(path).is_dir()]
+
+
+def nested_venv(where: Path) -> Path:
+    """A virtual environment that sees this interpreter's packages (torch, transformers: no
+    download) but imports its own first. `system_site_packages` would show the *base*
+    interpreter's packages, not an enclosing virtual environment's, so a `.pth` file names
+    them instead. Plain path lines: the enclosing directories' own `.pth` files (an editable
+    hpo's finder among them) are not run. Returns its bin directory."""
+    venv.create(where, with_pip=True)
+    (own,) = where.glob("lib/python*/site-packages")
+    (own / "enclosing.pth").write_text("\n".join(enclosing_site_packages()) + "\n")
+    return where / "bin"
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     """The bin directory of a virtual environment holding hpo's wheel. It sees this
-    interpreter's packages (torch, transformers: no download), but hpo only from the wheel."""
+    interpreter's packages, but hpo only from the wheel."""
     root = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(root / "dist"), str(REPO)], check=True, timeout=600)
     (wheel,) = (root / "dist").glob("hpo-*.whl")
-    venv.create(root / "env", system_site_packages=True, with_pip=True)
-    bin_dir = root / "env" / "bin"
+    bin_dir = nested_venv(root / "env")
     subprocess.run([bin_dir / "python", "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
                    check=True, timeout=600)
     return bin_dir
@@ -40,6 +58,15 @@ def test_the_wheel_holds_the_demo_and_hpo_comes_from_it(installed, tmp_path):
     assert (package / "studies" / "demo.yaml").is_file()
     assert (package / "demo" / "redsm5_posts.csv").is_file()
     assert (package / "demo" / "models" / "tiny-bert" / "model.safetensors").is_file()
+
+
+def test_the_nested_environment_imports_this_ones_packages(installed, tmp_path):
+    # Inside a virtual environment, a nested one made with system_site_packages imported
+    # neither optuna nor torch: it saw the base interpreter's packages.
+    where = subprocess.run(
+        [installed / "python", "-c", "import optuna; print(optuna.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert where == optuna.__file__
 
 
 def test_a_study_whose_data_is_missing_names_what_is_missing(installed, tmp_path):
