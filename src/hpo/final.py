@@ -28,7 +28,7 @@ from hpo.data.tasks import build_examples
 from hpo.drivers import BestEpoch, scorer
 from hpo.errors import ConfigError, SpaceError
 from hpo.export import optimism_base
-from hpo.hardware import native_precisions
+from hpo.hardware import native_precisions, precision_name
 from hpo.models import ModelStore
 from hpo.planning import base_plan, fit_batch
 from hpo.report import ConsoleReporter as Reporter
@@ -372,8 +372,8 @@ def render(report: dict[str, Any]) -> str:
                else "trained on the training split")
     lines = [
         f"final model of study '{report['study']}', trial {report['trial']} "
-        f"({report['params']['model_name']}, {report['params']['fp_precision']}): "
-        f"{len(report['runs'])} seed(s), {trained}; "
+        f"({report['params']['model_name']}, {precision_name(report['params']['fp_precision'])}"
+        f"): {len(report['runs'])} seed{'s' if len(report['runs']) != 1 else ''}, {trained}; "
         f"test split {posts['test']} posts; thresholds {report['thresholds']}",
         f"search's validation {objective}: {report['search_validation']:.4f}; test {objective} "
         f"over seeds: mean {spread_['mean']:.4f}, std {spread_['std']:.4f}, "

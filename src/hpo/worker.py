@@ -119,8 +119,9 @@ def keep_models(config: StudyConfig, url: str, resources: Resources,
                              "store unless study.artifacts (or HPO_ARTIFACTS) names one, a "
                              "directory every worker shares or s3://BUCKET")
         else:
-            reporter.message(f"  models kept: the best {plural(resources.keeper.best, 'trial')}"
-                             f"' in {resources.keeper.where}")
+            best = resources.keeper.best
+            whose = "the best trial's model" if best == 1 else f"the best {best} trials' models"
+            reporter.message(f"  models kept: {whose}, in {resources.keeper.where}")
 
 
 def closing_lines(study: optuna.Study, url: str, result: WorkerResult, n_trials: float,
