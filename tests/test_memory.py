@@ -212,3 +212,22 @@ def test_releasing_memory_collects_empties_the_gpu_cache_and_trims_the_heap(monk
     monkeypatch.setattr(memory, "_malloc_trim", lambda: lambda pad: calls.append(("trim", pad)))
     memory.release_memory()
     assert calls == ["gc", "empty_cache", ("trim", 0)]
+
+
+def test_a_trials_device_memory_is_read_on_cuda_and_nowhere_else(monkeypatch):
+    from hpo.hardware import Device
+
+    cpu = Device("cpu", "cpu", 2**34, None)
+    assert memory.device_memory(cpu) is None and memory.after_trial(cpu, None) is None
+    # A CUDA device's allocator counts, faked: 512 MiB before, a 3 GiB peak, 512 MiB after.
+    counts = {"allocated": 512 * 2**20, "peak": 3 * 2**30, "resets": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _index: counts["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _index: counts["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda _index: counts.__setitem__("resets", counts["resets"] + 1))
+    gpu = Device("cuda", "NVIDIA H100", 80 * 2**30, (9, 0))
+    mark = memory.device_memory(gpu)
+    memory.restart_peak(gpu)  # after the batch search: training's peak alone
+    assert counts["resets"] == 2
+    assert memory.after_trial(gpu, mark).to_attrs() == {
+        "memory_before_mib": 512.0, "peak_memory_mib": 3072.0, "memory_after_mib": 512.0}

@@ -113,9 +113,14 @@ def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
     p = plan(precision=precision, epochs=1, effective_batch=20, physical_batch=20)
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     before = [t.clone() for t in model.parameters()]
-    train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-          evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+    progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+                     evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # The scaler's scale is recorded for fp16 (2**16 unless a step overflowed), else nothing.
+    if precision == "fp16":
+        assert 0 < progress.grad_scale <= 2.0**16
+    else:
+        assert progress.grad_scale is None
     probabilities = predict(model, data, 7, device, precision, tokenizer.pad_token_id)
     assert probabilities.shape == data.labels.shape
     assert torch.isfinite(probabilities).all()

@@ -100,9 +100,11 @@ def execute(
     planned: TrialPlan | None = None
     ended: BaseException | None = None
     value: float | None = None
+    device_memory = memory.device_memory(resources.device)
     try:
         records.record_start(trial, resources)
         planned = plan_trial(trial, resources, cache, watch)
+        memory.restart_peak(resources.device)
         records.record_plan(trial, planned)
         reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
         watch(planned.batch_key, planned.plan.physical_batch)
@@ -118,11 +120,12 @@ def execute(
     # failed step's tensors.
     del ended
     memory.release_memory()
+    device_memory = memory.after_trial(resources.device, device_memory)
     if outcome.dropped:
         return outcome, _stored(live)
     tried = (planned.batch_key, planned.plan.physical_batch) if planned is not None else None
     return tell(study, live, outcome, cache, tried=tried, failed_at=failed_at,
-                started=started)
+                started=started, device_memory=device_memory)
 
 
 def _stored(live: LiveTrial) -> FrozenTrial:
@@ -131,7 +134,8 @@ def _stored(live: LiveTrial) -> FrozenTrial:
 
 def tell(study: optuna.Study, live: LiveTrial, outcome: Outcome, cache: StudyBatchCache, *,
          tried: tuple[str, int] | None = None, failed_at: str | None = None,
-         started: float | None = None) -> tuple[Outcome, FrozenTrial]:
+         started: float | None = None, device_memory: memory.DeviceMemory | None = None,
+         ) -> tuple[Outcome, FrozenTrial]:
     """Tell the study the trial's outcome, with its reason and error recorded. An OOM lowers
     the study's batch limit for the micro-batch it `tried`. If the trial was reaped
     meanwhile, the outcome goes to its retry copy (`kept_from`), or nowhere (`dropped`)."""
@@ -146,6 +150,8 @@ def tell(study: optuna.Study, live: LiveTrial, outcome: Outcome, cache: StudyBat
             trial.set_user_attr("error", outcome.error)
         if failed_at:
             trial.set_user_attr("traceback", failed_at)
+        for name, mib in (device_memory.to_attrs() if device_memory else {}).items():
+            trial.set_user_attr(name, round(mib, 1))
         if started is not None:
             trial.set_user_attr("worker_rss_mb",
                                 round(psutil.Process().memory_info().rss / 2**20, 1))

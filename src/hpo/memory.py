@@ -161,6 +161,46 @@ def device_memory_probe(device: Device) -> MemoryProbe | None:
     return MemoryProbe(capacity=int(0.95 * device.total_memory), peak=peak)
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's allocated memory around one trial, in MiB: before it, its peak while it
+    trained (after the batch search), and after its memory was released."""
+
+    before: float
+    peak: float | None = None
+    after: float | None = None
+
+    def to_attrs(self) -> dict[str, float]:
+        return {name: value for name, value in (
+            ("memory_before_mib", self.before), ("peak_memory_mib", self.peak),
+            ("memory_after_mib", self.after)) if value is not None}
+
+
+def device_memory(device: Device) -> DeviceMemory | None:
+    """Allocated memory now, and the peak counter started from here; None off CUDA, whose
+    allocators keep no such counts."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device.torch_device)
+    return DeviceMemory(before=torch.cuda.memory_allocated(device.torch_device) / 2**20)
+
+
+def restart_peak(device: Device) -> None:
+    """The peak counter from here on: training's peak, not the batch search's probes."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device.torch_device)
+
+
+def after_trial(device: Device, mark: DeviceMemory | None) -> DeviceMemory | None:
+    """`mark` with the peak since it (or since `restart_peak`) and the memory still allocated;
+    call it after `release_memory`."""
+    if mark is None or device.type != "cuda":
+        return mark
+    index = device.torch_device
+    return DeviceMemory(mark.before, torch.cuda.max_memory_allocated(index) / 2**20,
+                        torch.cuda.memory_allocated(index) / 2**20)
+
+
 # Model-chosen probes before the search falls back to plain bisection: memory that does not
 # grow linearly with the batch must not turn the search into a crawl.
 _MODEL_PROBES = 3

@@ -85,6 +85,8 @@ def record_compiled(trial: optuna.Trial, failure: str | None) -> None:
 def record_speed(trial: optuna.Trial, progress: Progress) -> None:
     trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
     trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
+    if progress.grad_scale is not None:
+        trial.set_user_attr("grad_scale", progress.grad_scale)
 
 
 def record_progress(trial: optuna.Trial, progress: Progress | None,

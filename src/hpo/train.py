@@ -60,6 +60,10 @@ class Progress:
     padded_tokens: int = 0
     step_seconds: float = 0.0
     eval_seconds: float = 0.0
+    # fp16's GradScaler scale after the last epoch (None without a scaler): it starts at 2**16
+    # and halves on every step whose gradients overflowed, so a scale that fell far says the
+    # run skipped steps.
+    grad_scale: float | None = None
 
     @property
     def train_seconds(self) -> float:
@@ -339,6 +343,8 @@ def train(
             progress.step_seconds += time.perf_counter() - started
             started = time.perf_counter()
             on_step(progress)
+        if scaler.is_enabled():
+            progress.grad_scale = scaler.get_scale()
         began_eval = time.perf_counter()
         score = evaluate(model)
         progress.eval_seconds += time.perf_counter() - began_eval
