@@ -164,8 +164,9 @@ class Bench:
 
 
 def run_ours(b: Bench, run: str) -> Result:
-    plan = Plan(precision=b.args.precision, effective_batch=BATCH, physical_batch=BATCH,
-                eval_batch=EVAL_BATCH, learning_rate=b.args.learning_rate,
+    plan = Plan(precision=b.args.precision, effective_batch=b.args.batch,
+                physical_batch=b.args.batch, eval_batch=EVAL_BATCH,
+                learning_rate=b.args.learning_rate,
                 weight_decay=WEIGHT_DECAY, warmup_ratio=WARMUP, max_grad_norm=MAX_GRAD_NORM,
                 epochs=b.args.epochs, seed=b.args.training_seed)
     model = prepare(b.store.build(b.args.model, len(SYMPTOMS), seed=0), plan, b.device)
@@ -192,10 +193,12 @@ def run_trainer(b: Bench, run: str) -> Result:
     model = b.store.build(b.args.model, len(SYMPTOMS), seed=0)
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=BATCH, learning_rate=b.args.learning_rate,
+            output_dir=out, per_device_train_batch_size=b.args.batch,
+            learning_rate=b.args.learning_rate,
             num_train_epochs=b.args.epochs, weight_decay=WEIGHT_DECAY,
             warmup_steps=WARMUP,  # transformers 5: a float < 1 is a ratio (warmup_ratio is gone)
-            max_grad_norm=MAX_GRAD_NORM, bf16=b.args.precision == "bf16", use_cpu=True,
+            max_grad_norm=MAX_GRAD_NORM, bf16=b.args.precision == "bf16",
+            use_cpu=b.device.type == "cpu", optim="adamw_torch_fused",
             report_to=[], save_strategy="no", eval_strategy="no", logging_strategy="no",
             dataloader_num_workers=0, seed=b.args.training_seed, lr_scheduler_type="linear",
             disable_tqdm=True,
@@ -216,9 +219,12 @@ def warm_up(store: ModelStore, args: argparse.Namespace, device: Device) -> None
     """One untimed training step at a short and the full length, so that the first timed run
     does not pay the process's one-time costs (thread pools, kernel selection)."""
     model = store.build(args.model, len(SYMPTOMS), seed=0).to(device.torch_device)
+    vocab = model.config.vocab_size
     for length in (32, args.max_length):
-        inputs = {"input_ids": torch.randint(1000, 2000, (BATCH, length)),
-                  "attention_mask": torch.ones((BATCH, length), dtype=torch.long)}
+        inputs = {"input_ids": torch.randint(min(1000, vocab // 2), min(2000, vocab),
+                                             (args.batch, length)),
+                  "attention_mask": torch.ones((args.batch, length), dtype=torch.long)}
+        inputs = {name: tensor.to(device.torch_device) for name, tensor in inputs.items()}
         with torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16"):
             loss = model(**inputs).logits.float().sum()
         loss.backward()
@@ -298,6 +304,8 @@ def parser_for(device: Device) -> argparse.ArgumentParser:
     parser.add_argument("--train", type=int, default=400)
     parser.add_argument("--validation", type=int, default=100)
     parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=BATCH,
+                        help="the (effective and physical) batch of both loops")
     parser.add_argument("--precision", choices=("bf16", "none"),
                         default="bf16" if "bf16" in native_precisions(device) else "none")
     parser.add_argument("--repeats", type=int, default=1)
@@ -355,7 +363,7 @@ def main() -> None:
           f"{statistics.mean(words):.0f}, median {statistics.median(words):.0f}, max "
           f"{max(words)}; tokens after truncation to {args.max_length}: mean "
           f"{statistics.mean(lengths):.0f}, {sum(n == args.max_length for n in lengths)} of "
-          f"{len(lengths)} truncated), batch {BATCH}, lr {args.learning_rate:g}, "
+          f"{len(lengths)} truncated), batch {args.batch}, lr {args.learning_rate:g}, "
           f"{args.epochs} epochs, weight decay {WEIGHT_DECAY}, warmup {WARMUP}, max grad norm "
           f"{MAX_GRAD_NORM}, BCE with pos_weight {args.pos_weight}; {args.repeats} run(s) "
           f"each, each in a fresh process, run k with training seed {SEED} + k; samples/s, "
