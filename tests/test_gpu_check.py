@@ -40,5 +40,5 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tmp_path):
     assert steps["study"]["final"]["pipeline_macro_f1"] == pytest.approx(
         steps["study"]["final"]["test_macro_f1"], abs=2e-3)
     assert steps["loop"]["hpo_over_trainer"] > 0 and all(
-        0 < row["mfu"] for row in steps["loop"]["rows"].values())
+        row["mfu"] > 0 for row in steps["loop"]["rows"].values())
     assert (out / "run.log").read_text().count("== step") == 2 * len(STEPS)
