@@ -7,7 +7,9 @@ from hpo.cli import main
 
 
 def run(study_file, storage, n) -> int:
-    return main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", str(n)])
+    # --verbose: where each model's tokens came from is said only then.
+    return main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", str(n),
+                 "--verbose"])
 
 
 def load(storage: str) -> optuna.Study:
