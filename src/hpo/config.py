@@ -481,10 +481,15 @@ def find_study(name: str) -> Path | None:
     return None
 
 
+def known_studies() -> list[str]:
+    """The study names `--study` finds here or among hpo's own study files."""
+    return sorted({p.stem for d in (STUDIES_DIR, PACKAGED_STUDIES) for p in d.glob("*.yaml")})
+
+
 def study_path(name: str) -> Path:
     path = find_study(name)
     if path is None:
-        known = sorted({p.stem for d in (STUDIES_DIR, PACKAGED_STUDIES) for p in d.glob("*.yaml")})
+        known = known_studies()
         raise ConfigError(
             f"unknown study '{name}': no {name}.yaml in {STUDIES_DIR.resolve()} nor in hpo's "
             f"own studies ({', '.join(known) or 'none'}); --config FILE reads any study file")

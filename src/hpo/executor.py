@@ -24,7 +24,7 @@ from hpo.drivers import Reporter as DriverReporter
 from hpo.drivers import train_folds, train_trial
 from hpo.errors import Terminated, one_line
 from hpo.liveness import LiveTrial, write_kept
-from hpo.outcome import ChildDied, GivenBack, Outcome, Reaped
+from hpo.outcome import INTERRUPTED, ChildDied, GivenBack, Outcome, Reaped
 from hpo.planning import TrialPlan, Watch, plan_trial, unwatched
 from hpo.resources import Resources
 from hpo.space import Params
@@ -57,7 +57,7 @@ def outcome_of(number: int, ended: BaseException | None, value: float | None = N
                                                 f"worker")
     if isinstance(ended, KeyboardInterrupt):
         why = "SIGTERM" if isinstance(ended, Terminated) else "Ctrl-C"
-        return Outcome(TrialState.FAIL, error=f"interrupted by {why}")
+        return Outcome(TrialState.FAIL, error=f"{INTERRUPTED}{why}")
     if isinstance(ended, GivenBack):
         return Outcome(TrialState.FAIL, error=str(ended))
     if isinstance(ended, ChildDied):

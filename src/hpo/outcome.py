@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial, TrialState
 
+# How the error of a trial that Ctrl-C or SIGTERM ended begins ("interrupted by SIGTERM"):
+# `hpo status` tells such trials from failures by it where they lack the `interrupted` mark.
+INTERRUPTED = "interrupted by "
+
 
 @dataclass(frozen=True)
 class Outcome:

@@ -151,7 +151,7 @@ def no_study(ref: StudyRef, name: str, names: list[str], url: str) -> str:
     elif ref.study:
         # No file either: the name alone was looked up, so either may be the typo.
         why = (f", nor a study file {ref.study}.yaml in {config_module.STUDIES_DIR} or hpo's "
-               f"own (--study knows {', '.join(known_studies()) or 'none'})")
+               f"own (--study knows {', '.join(config_module.known_studies()) or 'none'})")
     else:
         why = ""
     close = difflib.get_close_matches(name, names, n=1)
@@ -159,11 +159,6 @@ def no_study(ref: StudyRef, name: str, names: list[str], url: str) -> str:
     listed = "`hpo studies" + (f" --storage {url}`" if ref.storage else "`")
     return f"no study '{name}' in {url}{why}; {guess}{listed} lists the studies there"
 
-
-def known_studies() -> list[str]:
-    """The study names `--study` finds here or among hpo's own study files."""
-    directories = (config_module.STUDIES_DIR, config_module.PACKAGED_STUDIES)
-    return sorted({path.stem for directory in directories for path in directory.glob("*.yaml")})
 
 
 def artifact_location(ref: StudyRef, url: str) -> str | None:

@@ -13,6 +13,7 @@ from optuna.trial import TrialState
 
 from hpo.artifacts import kept
 from hpo.budget import count
+from hpo.outcome import INTERRUPTED
 from hpo.storage import redact
 
 # What a final training run needs besides the sampled parameters.
@@ -44,12 +45,6 @@ def best(study: optuna.Study) -> dict[str, Any] | None:
     }
 
 
-# How the error `executor.outcome_of` records for a trial that Ctrl-C or SIGTERM ended starts
-# ("interrupted by Ctrl-C", "interrupted by SIGTERM"); no other recorded error starts so (an
-# exception's starts with its type's name).
-INTERRUPTED_ERROR = "interrupted by "
-
-
 def interrupted(trial: optuna.trial.FrozenTrial) -> bool:
     """A trial that Ctrl-C or SIGTERM ended (`executor.free`): FAIL in Optuna's terms, but a
     deliberate stop, not a fault. Told by the user attribute `interrupted` where it is set,
@@ -59,7 +54,7 @@ def interrupted(trial: optuna.trial.FrozenTrial) -> bool:
     attrs = trial.user_attrs
     if "interrupted" in attrs:
         return bool(attrs["interrupted"])
-    return str(attrs.get("error", "")).startswith(INTERRUPTED_ERROR)
+    return str(attrs.get("error", "")).startswith(INTERRUPTED)
 
 
 def _interrupted(trials: list[optuna.trial.FrozenTrial]) -> list[dict[str, Any]]:
