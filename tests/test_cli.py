@@ -18,7 +18,7 @@ PARAMS = {"model_name", "fp_precision", "target_effective_batch_size", "learning
 ATTRS = {
     "physical_batch_size", "grad_accum_steps", "effective_batch_size", "batch_probes",
     "device", "samples_per_second", "padding_efficiency", "train_seconds", "trial_seconds",
-    "versions", "worker",
+    "versions", "worker", "epoch_seconds",
 }
 
 
@@ -50,6 +50,7 @@ def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
             attrs["effective_batch_size"])
         assert 0 < attrs["padding_efficiency"] <= 1
         assert attrs["trial_seconds"] >= attrs["train_seconds"] > 0
+        assert len(attrs["epoch_seconds"]) == len(trial.intermediate_values)
         assert 0.0 <= trial.value <= 1.0
     assert study.user_attrs["search_space"]["fp_precision"] == ["none"]
     out = capsys.readouterr().out

@@ -95,6 +95,8 @@ def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     assert p.grad_accum_steps == 3
     assert 0 < progress.padding_efficiency <= 1
     assert progress.train_seconds >= progress.step_seconds > 0
+    assert len(progress.epoch_seconds) == 2 and min(progress.epoch_seconds) > 0
+    assert sum(progress.epoch_seconds) == pytest.approx(progress.train_seconds)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])

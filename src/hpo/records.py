@@ -98,6 +98,7 @@ def record_progress(trial: optuna.Trial, progress: Progress | None,
         record_speed(trial, progress)
         trial.set_user_attr("train_seconds", round(progress.train_seconds, 3))
         trial.set_user_attr("eval_seconds", round(progress.eval_seconds, 3))
+        trial.set_user_attr("epoch_seconds", [round(s, 3) for s in progress.epoch_seconds])
         trial.set_user_attr("epochs_completed", len(scores))
     if scores:
         values = [s.get(objective) for s in scores]

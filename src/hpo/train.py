@@ -11,7 +11,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import get_linear_schedule_with_warmup
@@ -64,6 +64,9 @@ class Progress:
     # and halves on every step whose gradients overflowed, so a scale that fell far says the
     # run skipped steps.
     grad_scale: float | None = None
+    # Each finished epoch's seconds, its steps and its evaluation: what a replay of the
+    # search in simulated time looks up (benchmarks/learning_curves.py).
+    epoch_seconds: list[float] = field(default_factory=list)
 
     @property
     def train_seconds(self) -> float:
@@ -348,6 +351,7 @@ def train(
         began_eval = time.perf_counter()
         score = evaluate(model)
         progress.eval_seconds += time.perf_counter() - began_eval
+        progress.epoch_seconds.append(progress.train_seconds - sum(progress.epoch_seconds))
         on_epoch(epoch, score)
     return progress
 
