@@ -1,0 +1,207 @@
+"""The table of learning curves that benchmarks/replay.py replays: real trials of the demo
+study's space, each run to the table's epochs with no pruner, through `hpo run` itself.
+
+    python benchmarks/learning_curves.py --seeds 0 1 2           # record (resumes)
+    python benchmarks/learning_curves.py --seeds 1 --minutes 60  # a part, appended later
+    python benchmarks/learning_curves.py --summary               # what the table holds
+
+The grid: both models, each precision native here, effective batches 8, 16 and 32, a log
+grid of learning rates over the space's range (3 a decade) and weight decay at its low, middle
+and high value; every point with each training seed (`training.seed`). A seed is one study in
+a storage under `--work` with every point enqueued, so a recording killed part-way goes on
+where it stopped: its finished trials are harvested into the table first, the trial it was
+running is run again. Each seed's study starts with an empty tokenization cache, as a new
+machine does, so the table holds real first-trial costs too.
+
+Per trial the table keeps each epoch's validation macro-F1 and seconds (steps and scoring),
+and the seconds before its first epoch: model load, tokenization and the batch search, with
+the probes the search made (only a study's first trial of a model, precision and batch bound
+searches; later ones read the study's cache). The file records the machine, versions and
+dates it was recorded with; a part recorded on another CPU kind is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import optuna
+import yaml
+from optuna.trial import TrialState
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from search_quality import cpu_model, versions  # noqa: E402
+
+from hpo import config as config_module  # noqa: E402
+from hpo.hardware import detect, native_precisions  # noqa: E402
+from hpo.study import SPLITS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = Path(__file__).resolve().parent / "learning_curves.json"
+EPOCHS = 4
+RATES_PER_DECADE = 3
+STUDY_NAME = "curves"
+COLUMNS = ["model", "precision", "batch", "learning_rate", "weight_decay", "seed",
+           "f1", "epoch_seconds", "setup_seconds", "tokenization_seconds",
+           "batch_search_seconds", "batch_probes", "model_seconds"]
+
+
+def grid(study: config_module.StudyConfig, precisions: tuple[str, ...]) -> list[dict]:
+    """Every point of the table, as the parameters `hpo run` enqueues."""
+    space = study.search_space
+    rates = space.learning_rate
+    decades = math.log10(rates.high / rates.low)
+    steps = round(decades * RATES_PER_DECADE)
+    lrs = [float(f"{rates.low * 10 ** (i / RATES_PER_DECADE):.3g}") for i in range(steps + 1)]
+    decay = space.extras()["weight_decay"]
+    decays = [decay.low, round((decay.low + decay.high) / 2, 6), decay.high]
+    return [{"model_name": model, "fp_precision": precision,
+             "target_effective_batch_size": batch, "learning_rate": lr, "weight_decay": wd}
+            for model in space.model_name for precision in precisions
+            for batch in space.target_effective_batch_size for wd in decays for lr in lrs]
+
+
+def key(params: dict, seed: int) -> tuple:
+    return (params["model_name"], params["fp_precision"], params["target_effective_batch_size"],
+            params["learning_rate"], params["weight_decay"], seed)
+
+
+def row_of(trial: optuna.trial.FrozenTrial, seed: int) -> list:
+    attrs, p = trial.user_attrs, trial.params
+    epochs = attrs["epoch_seconds"]
+    return [p["model_name"], p["fp_precision"], p["target_effective_batch_size"],
+            p["learning_rate"], p["weight_decay"], seed, attrs["epoch_scores"], epochs,
+            round(attrs["trial_seconds"] - sum(epochs), 3), attrs["tokenization_seconds"],
+            attrs["batch_search_seconds"], attrs["batch_probes"], attrs["model_seconds"]]
+
+
+def load_table(path: Path) -> dict:
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"format": 1, "study": "demo", "epochs": EPOCHS, "machine": cpu_model(),
+            "cores": os.cpu_count(), "versions": versions(), "dates": [],
+            "columns": COLUMNS, "rows": []}
+
+
+def harvest(table: dict, storage: str, seed: int) -> int:
+    """Move the seed's finished trials into the table; fail a trial a killed run left
+    RUNNING and enqueue its point again. Returns how many rows were added."""
+    try:
+        study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
+    except KeyError:
+        return 0
+    # The replay needs it for the Trainer's global step (steps per epoch).
+    table["train_size"] = study.user_attrs[SPLITS]["train"]["posts"]
+    have = {tuple(r[:5]) + (r[5],) for r in table["rows"]}
+    added = 0
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == TrialState.COMPLETE and key(trial.params, seed) not in have:
+            table["rows"].append(row_of(trial, seed))
+            have.add(key(trial.params, seed))
+            added += 1
+        elif trial.state == TrialState.RUNNING:
+            study.tell(trial.number, state=TrialState.FAIL)
+            study.enqueue_trial(trial.params)
+    return added
+
+
+def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: Path,
+                seconds: float | None, precisions: tuple[str, ...]) -> None:
+    directory = work / f"seed-{seed}"
+    directory.mkdir(parents=True, exist_ok=True)
+    storage = f"sqlite:///{directory / 'hpo.db'}"
+    save(table, output, harvest(table, storage, seed))
+    have = {tuple(r[:6]) for r in table["rows"]}
+    missing = [p for p in points if key(p, seed) not in have]
+    if not missing:
+        return
+    sets = ["study.name=" + STUDY_NAME, f"training.epochs={EPOCHS}", "study.pruner.name=none",
+            f"training.seed={seed}", "study.keep_best=0",
+            # Named, not `native`: a set may then name its precision.
+            "search_space.fp_precision=" + json.dumps(list(precisions))]
+    try:
+        study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
+    except KeyError:
+        # hpo enqueues the study file's sets once, when it creates the study.
+        # YAML, whose floats keep their dot: a JSON 1e-05 would read back as a string.
+        sets.append("study.enqueue=" + yaml.safe_dump(missing, default_flow_style=True,
+                                                      width=math.inf).strip())
+        complete = 0
+    else:
+        waiting = {key(t.params, seed) for t in study.get_trials(states=(TrialState.WAITING,))}
+        for params in missing:
+            if key(params, seed) not in waiting:
+                study.enqueue_trial(params)
+        complete = len(study.get_trials(states=(TrialState.COMPLETE,)))
+    command = ["hpo", "run", "--study", "demo", "--storage", storage,
+               "--n-trials", str(complete + len(missing)),
+               *[part for item in sets for part in ("--set", item)]]
+    if seconds is not None:
+        command += ["--timeout", f"{max(seconds, 1):.0f}"]
+    env = {**os.environ, "HPO_CACHE_DIR": str(directory / "cache")}
+    print(f"seed {seed}: {len(missing)} points to record", flush=True)
+    with (directory / "hpo.log").open("a") as log:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=log, check=False)
+    save(table, output, harvest(table, storage, seed))
+    if done.returncode != 0:
+        raise SystemExit(f"hpo run exited with {done.returncode}; see {directory / 'hpo.log'}")
+
+
+def save(table: dict, output: Path, added: int) -> None:
+    if not added:
+        return
+    today = date.today().isoformat()
+    if today not in table["dates"]:
+        table["dates"].append(today)
+    table["rows"].sort(key=lambda r: (r[5], r[0], r[1], r[2], r[4], r[3]))
+    # One row per line: a compact file whose appended parts read as diffs.
+    head = {k: v for k, v in table.items() if k != "rows"}
+    lines = ",\n".join(json.dumps(r, separators=(",", ":")) for r in table["rows"])
+    output.write_text(json.dumps(head, indent=1)[:-2] + ',\n "rows": [\n' + lines + "\n]}\n")
+    print(f"  {added} rows added: {len(table['rows'])} in {output}", flush=True)
+
+
+def summary(table: dict, points: list[dict]) -> None:
+    print(f"{table['machine']}, {table['cores']} cores, {table['versions']}, {table['dates']}")
+    for seed in sorted({r[5] for r in table["rows"]}):
+        rows = [r for r in table["rows"] if r[5] == seed]
+        hours = sum(sum(r[7]) + r[8] for r in rows) / 3600
+        print(f"seed {seed}: {len(rows)} of {len(points)} points, {hours:.2f} h of trials")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    parser.add_argument("--output", type=Path, default=TABLE)
+    parser.add_argument("--work", type=Path, default=REPO / "benchmarks" / ".curves")
+    parser.add_argument("--minutes", type=float, help="start no trial after this long")
+    parser.add_argument("--summary", action="store_true")
+    args = parser.parse_args(argv)
+    study = config_module.load(config_module.study_path("demo"))
+    table = load_table(args.output)
+    if table["machine"] != cpu_model():
+        raise SystemExit(f"{args.output} was recorded on {table['machine']}, not here "
+                         f"({cpu_model()}): record a new table with --output")
+    precisions = native_precisions(detect())
+    points = grid(study, precisions)
+    if args.summary:
+        summary(table, points)
+        return
+    began = time.monotonic()
+    for seed in args.seeds:
+        left = None if args.minutes is None else args.minutes * 60 - (time.monotonic() - began)
+        if left is not None and left <= 0:
+            break
+        record_seed(table, points, seed, args.work, args.output, left, precisions)
+    summary(table, points)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,691 @@
+"""Search policies replayed in simulated time on the table of real learning curves
+(benchmarks/learning_curves.py): many repetitions of a 200-trial, 8-worker search in
+minutes, where a real one takes GPU-days.
+
+    python benchmarks/replay.py --budget 20 --workers 1 --repetitions 100 --first-seed 0 \\
+        --output benchmarks/replay-20x1.json
+    python benchmarks/replay.py --render benchmarks/replay-20x1.json ...   # table and plot
+    python benchmarks/replay.py --reality benchmarks/search_quality.json   # against real runs
+
+The simulation (`simulate`): W workers, each asking its policy for a trial when it is free;
+a trial's epochs end at the times its learning curve gives, and at each epoch's end the
+policy hears the score and may stop the trial (a pruner, ASHA). Events are taken in time
+order, so a policy asking at time t sees exactly the reports made before t, as it would on
+a real fleet. Every policy drives Optuna through ask/tell on an in-memory storage, or Ray
+Tune's own `OptunaSearch` and `ASHAScheduler` objects, called as Ray's controller calls them.
+
+The surrogate (`Curves.lookup`): a configuration's curve is interpolated linearly in the
+logarithm of the learning rate between the two nearest grid rates, at the nearest weight
+decay of the grid, for its model, precision and batch. Repetition k draws, per grid point,
+which recorded training seed it reads (seeded by k), so the paired repetitions of all
+policies search the same world, and the worlds vary between repetitions as training noise
+does.
+
+Costs: each epoch costs its recorded seconds; a trial's set-up (model load and the like)
+its recorded seconds, plus the tokenization where its worker has not tokenized that model
+yet, plus the batch search where the study has no batch limit cached for its model,
+precision and batch bound (hpo's cache). The peers' trials cost the table's seconds times
+their measured slowdown against hpo on the table's CPU kind, per model, and every worker
+starts after its tool's measured start-up (both from benchmarks/search_quality.json). Not
+simulated: the samplers' own seconds (below 0.1 s per trial, against 10-60 s trials).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import heapq
+import json
+import math
+import statistics
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import optuna
+import yaml
+from optuna.trial import TrialState
+
+from hpo import config as config_module
+from hpo.space import PinnedSpace, by_cost, declare, suggest
+from hpo.study import make_pruner, make_sampler
+
+HERE = Path(__file__).resolve().parent
+TABLE = HERE / "learning_curves.json"
+REAL = HERE / "search_quality.json"
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Curve:
+    scores: tuple[float, ...]  # validation macro-F1 per epoch
+    seconds: tuple[float, ...]  # per epoch, steps and scoring
+    setup: float  # before the first epoch, less tokenization and batch search
+
+
+@dataclass(frozen=True)
+class Costs:
+    """One-off costs the table measured: a model's first tokenization on a worker, and a
+    batch search per model, precision and batch bound."""
+    tokenization: dict[str, float]
+    batch_search: dict[tuple[str, str, int], float]
+
+
+class Curves:
+    """The table, looked up by configuration for one repetition's world."""
+
+    def __init__(self, table: dict, max_physical: int = 32) -> None:
+        self.table, self.epochs = table, table["epochs"]
+        self.train_size = table["train_size"]
+        columns = table["columns"]
+        self.rows = [dict(zip(columns, row, strict=True)) for row in table["rows"]]
+        self.max_physical = max_physical
+        self.by_point: dict[tuple, list[dict]] = {}
+        for row in self.rows:
+            point = (row["model"], row["precision"], row["batch"], row["weight_decay"],
+                     row["learning_rate"])
+            self.by_point.setdefault(point, []).append(row)
+        self.rates = sorted({r["learning_rate"] for r in self.rows})
+        self.decays = sorted({r["weight_decay"] for r in self.rows})
+        self.models = sorted({r["model"] for r in self.rows})
+        self.precisions = sorted({r["precision"] for r in self.rows})
+        self.costs = self._costs()
+
+    def _costs(self) -> Costs:
+        first: dict[str, list[float]] = {}
+        for model in self.models:
+            for seed in {r["seed"] for r in self.rows}:
+                times = [r["tokenization_seconds"] for r in self.rows
+                         if r["model"] == model and r["seed"] == seed]
+                if times:
+                    first.setdefault(model, []).append(max(times))
+        searched: dict[tuple[str, str, int], list[float]] = {}
+        for row in self.rows:
+            if row["batch_probes"]:
+                bound = min(row["batch"], self.max_physical)
+                searched.setdefault((row["model"], row["precision"], bound), []).append(
+                    row["batch_search_seconds"])
+        return Costs({m: statistics.median(v) for m, v in first.items()},
+                     {k: statistics.median(v) for k, v in searched.items()})
+
+    def seconds_per_epoch(self, model: str, precision: str) -> float:
+        return statistics.median(sum(r["epoch_seconds"]) / len(r["epoch_seconds"])
+                                 for r in self.rows
+                                 if r["model"] == model and r["precision"] == precision)
+
+    def _row(self, point: tuple, world: int) -> dict:
+        rows = self.by_point.get(point)
+        if not rows:
+            raise KeyError(f"the table has no trial of {point}")
+        digest = hashlib.sha256(f"{world}:{point}".encode()).digest()
+        return rows[int.from_bytes(digest[:4], "little") % len(rows)]
+
+    def lookup(self, model: str, precision: str, batch: int, learning_rate: float,
+               weight_decay: float, world: int) -> Curve:
+        decay = min(self.decays, key=lambda d: abs(d - weight_decay))
+        rate = min(max(learning_rate, self.rates[0]), self.rates[-1])
+        upper = min(bisect.bisect_left(self.rates, rate), len(self.rates) - 1)
+        lower = max(upper - 1, 0)
+        low, high = self.rates[lower], self.rates[upper]
+        share = 0.0 if high == low else math.log(rate / low) / math.log(high / low)
+        a = self._row((model, precision, batch, decay, low), world)
+        b = self._row((model, precision, batch, decay, high), world)
+
+        def mix(x: Iterable[float], y: Iterable[float]) -> tuple[float, ...]:
+            return tuple((1 - share) * u + share * v for u, v in zip(x, y, strict=True))
+
+        def base(row: dict) -> float:
+            return max(row["setup_seconds"] - row["tokenization_seconds"]
+                       - row["batch_search_seconds"], 0.0)
+
+        return Curve(mix(a["f1"], b["f1"]), mix(a["epoch_seconds"], b["epoch_seconds"]),
+                     (1 - share) * base(a) + share * base(b))
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    precision: str
+    batch: int
+    learning_rate: float
+    weight_decay: float
+
+
+class Running(Protocol):
+    """A trial a policy started: it hears each epoch's score and may stop it."""
+    config: Config
+
+    def report(self, epoch: int, score: float) -> bool: ...  # True: stop here
+
+    def finish(self, scores: list[float], stopped: bool) -> None: ...
+
+
+class Policy(Protocol):
+    name: str
+    startup: float  # seconds before a worker's first trial
+
+    def ask(self) -> Running: ...
+
+    def slowdown(self, model: str) -> float: ...  # its trial seconds over hpo's
+
+
+@dataclass
+class OptunaRunning:
+    study: optuna.Study
+    trial: optuna.Trial
+    config: Config
+    report_value: Callable[[list[float]], float]
+    step_of: Callable[[int, Config], int]
+    epochs: int
+    tell_value: Callable[[list[float]], float]
+    scores: list[float] = field(default_factory=list)
+
+    def report(self, epoch: int, score: float) -> bool:
+        self.scores.append(score)
+        self.trial.report(self.report_value(self.scores), self.step_of(epoch, self.config))
+        return epoch < self.epochs and self.trial.should_prune()
+
+    def finish(self, scores: list[float], stopped: bool) -> None:
+        if stopped:
+            self.study.tell(self.trial, state=TrialState.PRUNED)
+        else:
+            self.study.tell(self.trial, self.tell_value(scores))
+
+
+def best(scores: list[float]) -> float:
+    return max(scores)
+
+
+def last(scores: list[float]) -> float:
+    return scores[-1]
+
+
+def by_epoch(epoch: int, _config: Config) -> int:
+    return epoch
+
+
+@dataclass
+class OptunaPolicy:
+    """A policy that is an Optuna study: hpo's own, or a user's glue around the Trainer."""
+    name: str
+    study: optuna.Study
+    sample: Callable[[optuna.Trial], Config]
+    epochs: int
+    startup: float = 0.0
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    report_value: Callable[[list[float]], float] = best
+    tell_value: Callable[[list[float]], float] = best
+    step_of: Callable[[int, Config], int] = by_epoch
+    sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None = None
+
+    def ask(self) -> Running:
+        trial = self.study.ask()
+        if self.sampler_for is not None:
+            # As hpo's worker does: one sampler per trial, seeded by the trial's number.
+            self.study.sampler = self.sampler_for(trial.number)
+        return OptunaRunning(self.study, trial, self.sample(trial), self.report_value,
+                             self.step_of, self.epochs, self.tell_value)
+
+    def slowdown(self, model: str) -> float:
+        return self.slowdowns.get(model, 1.0)
+
+
+def hpo_policy(study_config: config_module.StudyConfig, curves: Curves, seed: int,
+               name: str = "hpo", startup: float = 0.0) -> OptunaPolicy:
+    """hpo's defaults as `hpo run` builds them: its sampler (seeded per trial), pruner,
+    enqueued sets, space and precision rule, from hpo's own functions."""
+    config = with_overrides(study_config, f"study.sampler.seed={seed}")
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage, direction="maximize",
+                                sampler=make_sampler(config), pruner=make_pruner(config))
+    for params in config.study.enqueue:
+        study.enqueue_trial(dict(params), skip_if_exists=True)
+    pinned = pinned_space(config, curves)
+    rule = config.study.objective_epoch
+
+    def sample(trial: optuna.Trial) -> Config:
+        params = suggest(trial, pinned)
+        return Config(params.model_name, params.fp_precision, params.target_effective_batch_size,
+                      params.learning_rate, float(params.extras.get("weight_decay", 0.0)))
+
+    value = best if rule == "best" else last
+    return OptunaPolicy(name, study, sample, config.training.epochs, startup,
+                        report_value=value, tell_value=value,
+                        sampler_for=lambda number: make_sampler(config, number))
+
+
+def with_overrides(study: config_module.StudyConfig, *sets: str
+                   ) -> config_module.StudyConfig:
+    """The study with `--set`-style overrides, validated as hpo validates them."""
+    raw = study.model_dump(mode="json")
+    for item in sets:
+        config_module.apply_override(raw, item)
+    return config_module.StudyConfig.model_validate(raw)
+
+
+def pinned_space(config: config_module.StudyConfig, curves: Curves) -> PinnedSpace:
+    """The precisions hpo would search on the table's machine: what the table recorded
+    (the native ones), narrowed by `auto`'s rule (`space.by_cost`) on the table's seconds."""
+    pinned = declare(config.search_space, None)
+    declared = config.search_space.fp_precision
+    native = tuple(curves.precisions)
+    if declared == "auto":
+        seconds = {m: {p: curves.seconds_per_epoch(m, p) for p in native}
+                   for m in curves.models}
+        kept = by_cost(seconds, native, config.study.precision_tolerance).kept
+    elif declared == "native":
+        kept = native
+    else:
+        kept = tuple(declared)
+    return replace(pinned, fp_precision=kept)
+
+
+def plain_sample(space: config_module.SearchSpace, precision: str) -> Callable[[optuna.Trial],
+                                                                               Config]:
+    """A user's own objective: the study file's ranges, one precision."""
+    decay = space.extras()["weight_decay"]
+
+    def sample(trial: optuna.Trial) -> Config:
+        model = trial.suggest_categorical("model_name", space.model_name)
+        batch = trial.suggest_categorical("batch", space.target_effective_batch_size)
+        rate = trial.suggest_float("learning_rate", space.learning_rate.low,
+                                   space.learning_rate.high, log=space.learning_rate.log)
+        wd = trial.suggest_float("weight_decay", decay.low, decay.high)
+        return Config(model, precision, batch, rate, wd)
+
+    return sample
+
+
+@dataclass
+class RayRunning:
+    """A trial under Ray Tune's `OptunaSearch` and `ASHAScheduler`, called in the order
+    Ray's controller calls them for each result and at the trial's end."""
+    policy: RayPolicy
+    trial_id: str
+    config: Config
+    last: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trial_id_holder(self) -> Any:
+        return self.policy.handles[self.trial_id]
+
+    def report(self, epoch: int, score: float) -> bool:
+        from ray.tune.schedulers import TrialScheduler
+
+        self.last = {"objective": score, "epoch": epoch, "training_iteration": epoch}
+        self.policy.searcher.on_trial_result(self.trial_id, self.last)
+        action = self.policy.scheduler.on_trial_result(None, self.trial_id_holder, self.last)
+        return action == TrialScheduler.STOP
+
+    def finish(self, scores: list[float], stopped: bool) -> None:
+        self.policy.searcher.on_trial_complete(self.trial_id, result=self.last)
+        self.policy.scheduler.on_trial_complete(None, self.trial_id_holder, self.last)
+
+
+@dataclass(frozen=True)
+class _RayTrial:
+    trial_id: str
+
+
+@dataclass
+class RayPolicy:
+    """Ray Tune: ASHA (grace 1 epoch, reduction factor 2, at most the study's epochs) with
+    Optuna's TPE as `OptunaSearch`, as benchmarks/peer_ray.py sets them up."""
+    name: str
+    space: config_module.SearchSpace
+    precision: str
+    seed: int
+    epochs: int
+    n_startup_trials: int
+    startup: float = 0.0
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    handles: dict[str, _RayTrial] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from ray.tune.schedulers import ASHAScheduler
+        from ray.tune.search.optuna import OptunaSearch
+
+        sample = plain_sample(self.space, self.precision)
+        self.sample = sample
+        self.searcher = OptunaSearch(
+            space=lambda trial: sample(trial) and None, metric="objective", mode="max",
+            sampler=optuna.samplers.TPESampler(seed=self.seed,
+                                               n_startup_trials=self.n_startup_trials))
+        self.scheduler = ASHAScheduler(metric="objective", mode="max", time_attr="epoch",
+                                       max_t=self.epochs, grace_period=1, reduction_factor=2)
+
+    def ask(self) -> Running:
+        trial_id = str(len(self.handles))
+        params = self.searcher.suggest(trial_id)
+        self.handles[trial_id] = _RayTrial(trial_id)
+        self.scheduler.on_trial_add(None, self.handles[trial_id])
+        config = Config(params["model_name"], self.precision, params["batch"],
+                        params["learning_rate"], params["weight_decay"])
+        return RayRunning(self, trial_id, config)
+
+    def slowdown(self, model: str) -> float:
+        return self.slowdowns.get(model, 1.0)
+
+
+# ---------------------------------------------------------------------------- simulation
+
+
+@dataclass(frozen=True)
+class Finished:
+    start: float
+    end: float
+    config: Config
+    scores: tuple[float, ...]
+    state: str  # COMPLETE or PRUNED
+
+    @property
+    def value(self) -> float | None:
+        """As every tool is scored: a COMPLETE trial's best epoch."""
+        return max(self.scores) if self.state == "COMPLETE" else None
+
+
+def simulate(policy: Policy, curves: Curves, world: int, budget: int, workers: int,
+             epochs: int, horizon: float = 0.0, searches_batches: bool = False
+             ) -> list[Finished]:
+    """The trials of one search, in the order they finished: `budget` trials, then more
+    until `horizon` (simulated seconds) has passed."""
+    events: list[tuple[float, int, int, int]] = []
+    running: dict[int, tuple[Running, Curve, float, float]] = {}
+    tokenized: list[set[str]] = [set() for _ in range(workers)]
+    searched: set[tuple[str, str, int]] = set()
+    finished: list[Finished] = []
+    counter = 0
+
+    def start(worker: int, now: float) -> None:
+        nonlocal counter
+        if counter >= budget and now >= horizon:
+            return
+        run = policy.ask()
+        c = run.config
+        curve = curves.lookup(c.model, c.precision, c.batch, c.learning_rate,
+                              c.weight_decay, world)
+        setup = curve.setup
+        if c.model not in tokenized[worker]:
+            tokenized[worker].add(c.model)
+            setup += curves.costs.tokenization.get(c.model, 0.0)
+        bound = (c.model, c.precision, min(c.batch, curves.max_physical))
+        if searches_batches and bound not in searched:
+            searched.add(bound)
+            setup += curves.costs.batch_search.get(bound, 0.0)
+        factor = policy.slowdown(c.model)
+        running[counter] = (run, curve, now, factor)
+        heapq.heappush(events, (now + (setup + curve.seconds[0]) * factor, counter, worker, 1))
+        counter += 1
+
+    for worker in range(workers):
+        start(worker, policy.startup)
+    while events:
+        now, number, worker, epoch = heapq.heappop(events)
+        run, curve, began, factor = running[number]
+        stop = run.report(epoch, curve.scores[epoch - 1])
+        if epoch < epochs and not stop:
+            heapq.heappush(events, (now + curve.seconds[epoch] * factor, number, worker,
+                                    epoch + 1))
+            continue
+        pruned = stop and epoch < epochs
+        run.finish(list(curve.scores[:epoch]), pruned)
+        del running[number]
+        finished.append(Finished(began, now, run.config, curve.scores[:epoch],
+                                 "PRUNED" if pruned else "COMPLETE"))
+        start(worker, now)
+    return finished
+
+
+def best_by(trials: list[Finished], moment: float) -> float | None:
+    values = [t.value for t in trials if t.value is not None and t.end <= moment]
+    return max(values) if values else None
+
+
+def reached(trials: list[Finished], target: float) -> float:
+    """When the best so far first reached `target` (infinite: never)."""
+    return next((t.end for t in trials if t.value is not None and t.value >= target),
+                math.inf)
+
+
+def wall(trials: list[Finished], budget: int) -> float:
+    """When the budget's last trial finished (trials in the order they started)."""
+    return max(t.end for t in sorted(trials, key=lambda t: t.start)[:budget])
+
+
+def steps_of(trials: list[Finished]) -> list[list[float]]:
+    """The best-so-far curve as its steps: [time, best]."""
+    out, top = [], -math.inf
+    for trial in trials:
+        if trial.value is not None and trial.value > top:
+            top = trial.value
+            out.append([round(trial.end, 2), round(top, 5)])
+    return out
+
+
+# ---------------------------------------------------------------------------- the peers
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the real runs on the table's CPU kind say of each tool beside the curves: its
+    workers' start-up seconds and its trials' seconds over hpo's, per model."""
+    startup: dict[str, float]
+    slowdowns: dict[str, dict[str, float]]
+    runs: int
+
+
+def measured(real: dict, machine: str) -> Measured:
+    runs = [r for r in real["runs"] if r["label"] == "default"
+            and r.get("machine", real["machine"]) == machine]
+    startup: dict[str, list[float]] = {}
+    seconds: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        startup.setdefault(run["tool"], []).append(min(t["start"] for t in run["trials"]))
+        for trial in run["trials"]:
+            if trial["state"] == "COMPLETE":
+                seconds.setdefault(run["tool"], {}).setdefault(trial["model"], []).append(
+                    trial["end"] - trial["start"])
+    ours = seconds.get("hpo", {})
+    slowdowns = {tool: {model: statistics.median(v) / statistics.median(ours[model])
+                        for model, v in by_model.items() if model in ours}
+                 for tool, by_model in seconds.items()}
+    return Measured({tool: statistics.median(v) for tool, v in startup.items()}, slowdowns,
+                    len(runs))
+
+
+def short(model: str) -> str:
+    return model.rsplit("/", 1)[-1]
+
+
+# A prior-guided start from the literature: the fine-tuning rates BERT's paper recommends
+# (2e-5 to 5e-5, batches 16 and 32; MiniLM's and sentence-transformers' recipes sit in the
+# same range), enqueued for each model before TPE takes over.
+PRIOR_RATES = (2.0e-5, 5.0e-5)
+
+
+def policies(names: list[str], study: config_module.StudyConfig, curves: Curves, seed: int,
+             facts: Measured) -> list[tuple[Policy, bool]]:
+    """Each named policy for repetition `seed`, and whether it searches batches as hpo."""
+    space = study.search_space
+    fastest = min(curves.precisions, key=lambda p: sum(
+        curves.seconds_per_epoch(m, p) for m in curves.models))
+    pruner, sampler = study.study.pruner, study.study.sampler
+    epochs = study.training.epochs
+    slow = {tool: {m: facts.slowdowns.get(tool, {}).get(short(m), 1.0) for m in curves.models}
+            for tool in ("novice", "expert", "ray")}
+
+    def median(n_startup: int, warmup: int) -> optuna.pruners.MedianPruner:
+        return optuna.pruners.MedianPruner(n_startup_trials=n_startup, n_warmup_steps=warmup)
+
+    def study_of(sampler: optuna.samplers.BaseSampler,
+                 pruner: optuna.pruners.BasePruner) -> optuna.Study:
+        return optuna.create_study(storage=optuna.storages.InMemoryStorage(),
+                                   direction="maximize", sampler=sampler, pruner=pruner)
+
+    def steps(epoch: int, config: Config) -> int:
+        # The Trainer reports at its global step: trials of different batches never share
+        # a step, so the median pruner compares only trials of one batch.
+        return epoch * (curves.train_size // config.batch)
+
+    def override(*sets: str) -> config_module.StudyConfig:
+        return with_overrides(study, *sets)
+
+    hpo_start = facts.startup.get("hpo", 0.0)
+    prior = [{"model_name": m, "learning_rate": r} for m in space.model_name
+             for r in PRIOR_RATES]
+    build: dict[str, Callable[[], tuple[Policy, bool]]] = {
+        "hpo": lambda: (hpo_policy(study, curves, seed, "hpo", hpo_start), True),
+        "novice": lambda: (OptunaPolicy(
+            "novice", study_of(optuna.samplers.TPESampler(seed=seed), median(
+                pruner.n_startup_trials, pruner.n_warmup_steps)),
+            plain_sample(space, "none"), epochs, facts.startup.get("novice", 0.0),
+            slow["novice"], report_value=last, tell_value=last, step_of=steps), False),
+        "expert": lambda: (OptunaPolicy(
+            "expert", study_of(optuna.samplers.TPESampler(
+                seed=seed, n_startup_trials=sampler.n_startup_trials), median(
+                pruner.n_startup_trials, pruner.n_warmup_steps)),
+            plain_sample(space, fastest), epochs, facts.startup.get("expert", 0.0),
+            slow["expert"], report_value=last, tell_value=last), False),
+        "ray": lambda: (RayPolicy("ray", space, fastest, seed, epochs,
+                                  sampler.n_startup_trials, facts.startup.get("ray", 0.0),
+                                  slow["ray"]), False),
+        "random": lambda: (hpo_policy(override("study.sampler.name=random",
+                                               "study.pruner.name=none"),
+                                      curves, seed, "random", hpo_start), True),
+        "tpe-hyperband": lambda: (hpo_policy(override("study.pruner.name=hyperband"),
+                                             curves, seed, "tpe-hyperband", hpo_start), True),
+        "prior": lambda: (hpo_policy(override(
+            "study.enqueue=" + yaml.safe_dump(prior, default_flow_style=True, width=math.inf)),
+                                     curves, seed, "prior", hpo_start), True),
+    }
+    unknown = [n for n in names if n not in build]
+    if unknown:
+        raise SystemExit(f"unknown policy {unknown[0]}: choose from {', '.join(build)}")
+    return [build[name]() for name in names]
+
+
+PEERS = ["novice", "expert", "ray", "random", "tpe-hyperband", "prior"]
+
+
+# ---------------------------------------------------------------------------- the figures
+
+
+def oracle(curves: Curves, world: int, epochs: int) -> float:
+    """The best score any grid point reaches in this world: regret is counted from it."""
+    return max(max(curves._row(point, world)["f1"][:epochs]) for point in curves.by_point)
+
+
+def repetition(names: list[str], study: config_module.StudyConfig, curves: Curves,
+               seed: int, budget: int, workers: int, facts: Measured) -> dict[str, dict]:
+    """One paired repetition: every peer for `budget` trials, then hpo for `budget` trials
+    and on until the slowest peer's wall time, all in world `seed`."""
+    epochs = study.training.epochs
+    out: dict[str, dict] = {}
+    chosen = policies(names, study, curves, seed, facts)
+    for policy, searches in chosen:
+        if policy.name == "hpo":
+            continue
+        trials = simulate(policy, curves, seed, budget, workers, epochs,
+                          searches_batches=searches)
+        out[policy.name] = {"wall": round(wall(trials, budget), 2), "steps": steps_of(trials),
+                            "pruned": sum(t.state == "PRUNED" for t in trials)}
+    hpo, searches = next(p for p in chosen if p[0].name == "hpo")
+    horizon = max((run["wall"] for run in out.values()), default=0.0)
+    trials = simulate(hpo, curves, seed, budget, workers, epochs, horizon=horizon,
+                      searches_batches=searches)
+    out["hpo"] = {"wall": round(wall(trials, budget), 2), "steps": steps_of(trials),
+                  "pruned": sum(t.state == "PRUNED" for t in trials[:budget])}
+    out["oracle"] = {"best": oracle(curves, seed, epochs)}
+    return out
+
+
+def at(steps: list[list[float]], moment: float) -> float | None:
+    values = [best for time, best in steps if time <= moment]
+    return values[-1] if values else None
+
+
+def when(steps: list[list[float]], target: float) -> float:
+    return next((time for time, best in steps if best >= target), math.inf)
+
+
+def versus(reps: list[dict], peer: str) -> dict[str, Any]:
+    """G1 and G2 of hpo against `peer` over paired repetitions."""
+    wins = ties = 0
+    shares = []
+    for rep in reps:
+        theirs, ours = rep[peer], rep["hpo"]
+        final = theirs["steps"][-1][1] if theirs["steps"] else None
+        mine = at(ours["steps"], theirs["wall"])
+        if final is None or (mine is not None and mine > final):
+            wins += 1
+        elif mine is not None and mine == final:
+            ties += 1
+        shares.append(0.0 if final is None else when(ours["steps"], final) / theirs["wall"])
+    n = len(reps)
+    return {"g1": round((wins + ties) / n, 3), "g1_strict": round(wins / n, 3),
+            "ties": round(ties / n, 3), "g2_median": statistics.median(shares),
+            "never": sum(math.isinf(s) for s in shares)}
+
+
+def run(args: argparse.Namespace) -> dict:
+    table = json.loads(args.table.read_text())
+    curves = Curves(table)
+    study = config_module.load(config_module.study_path("demo"),
+                               [f"training.epochs={args.epochs or table['epochs']}"])
+    facts = measured(json.loads(args.real.read_text()), table["machine"])
+    names = ["hpo", *[p for p in args.policies if p != "hpo"]]
+    reps = []
+    for k in range(args.repetitions):
+        reps.append(repetition(names, study, curves, args.first_seed + k, args.budget,
+                               args.workers, facts))
+        if (k + 1) % 10 == 0:
+            print(f"  {k + 1}/{args.repetitions} repetitions", file=sys.stderr, flush=True)
+    return {
+        "budget": args.budget, "workers": args.workers, "repetitions": args.repetitions,
+        "first_seed": args.first_seed, "epochs": study.training.epochs,
+        "table": {"file": args.table.name, "machine": table["machine"], "dates": table["dates"],
+                  "rows": len(table["rows"]), "seeds": sorted({r[5] for r in table["rows"]})},
+        "measured": {"startup": facts.startup, "slowdowns": facts.slowdowns,
+                     "runs": facts.runs},
+        "versus": {peer: versus(reps, peer) for peer in names if peer != "hpo"},
+        "repetitions_data": reps,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=int, default=20, help="trials per search")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--repetitions", type=int, default=100)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, help="the study's epochs (default: the table's)")
+    parser.add_argument("--policies", nargs="+", default=PEERS)
+    parser.add_argument("--table", type=Path, default=TABLE)
+    parser.add_argument("--real", type=Path, default=REAL,
+                        help="real runs: the peers' start-up and slowdowns")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args(argv)
+    if args.budget < 1 or args.workers < 1 or args.repetitions < 1:
+        parser.error("--budget, --workers and --repetitions must be at least 1")
+    result = run(args)
+    for peer, figures in result["versus"].items():
+        print(f"{args.budget} trials x {args.workers} workers, hpo vs {peer}: "
+              f"G1 {figures['g1']:.2f} (ties {figures['ties']:.2f}), "
+              f"median G2 {figures['g2_median']:.2f}")
+    if args.output:
+        args.output.write_text(json.dumps(result, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()

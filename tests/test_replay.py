@@ -1,0 +1,214 @@
+"""benchmarks/replay.py: search policies replayed in simulated time on a table of learning
+curves. Here on a made-up table whose curves and seconds are known, so every time and score
+the simulation gives can be worked out by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+
+import optuna
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import replay  # noqa: E402
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+TINY = "data/demo/models/tiny-bert"
+RATES = [1.0e-5, 2.15e-5, 4.64e-5, 1.0e-4, 2.15e-4, 4.64e-4, 1.0e-3]
+COLUMNS = ["model", "precision", "batch", "learning_rate", "weight_decay", "seed", "f1",
+           "epoch_seconds", "setup_seconds", "tokenization_seconds", "batch_search_seconds",
+           "batch_probes", "model_seconds"]
+EPOCH_SECONDS = {MINILM: 10.0, TINY: 1.0}
+
+
+def made_up_table(seeds: int = 2) -> dict:
+    """Scores that peak at a rate of 2.15e-4, MiniLM above tiny-bert, seed s adding 0.01*s;
+    each epoch costs EPOCH_SECONDS, each set-up 2 s, a seed's first trial of a model 5 s of
+    tokenization, and its first of a model and batch 3 s of batch search."""
+    rows = []
+    for seed in range(seeds):
+        for model in (MINILM, TINY):
+            searched = set()
+            for batch in (8, 16, 32):
+                for wd in (0.0, 0.05, 0.1):
+                    for rate in RATES:
+                        top = (0.6 if model == MINILM else 0.4) - 0.05 * abs(
+                            math.log10(rate / 2.15e-4)) + 0.01 * seed - wd * 0.1
+                        f1 = [round(top * share, 4) for share in (0.7, 0.9, 1.0, 0.98)]
+                        first = not rows or rows[-1][0] != model or rows[-1][5] != seed
+                        probes = int((model, batch) not in searched)
+                        searched.add((model, batch))
+                        tokenize = 5.0 if first else 0.0
+                        search = 3.0 * probes
+                        rows.append([model, "none", batch, rate, wd, seed, f1,
+                                     [EPOCH_SECONDS[model]] * 4, 2.0 + tokenize + search,
+                                     tokenize, search, probes, 1.0])
+    return {"format": 1, "study": "demo", "epochs": 4, "machine": "test CPU", "cores": 2,
+            "versions": {}, "dates": ["2026-11-27"], "columns": COLUMNS, "train_size": 420,
+            "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def curves() -> replay.Curves:
+    return replay.Curves(made_up_table())
+
+
+def test_a_grid_point_reads_its_row_and_a_rate_between_two_is_interpolated_in_log(curves):
+    at_grid = curves.lookup(MINILM, "none", 16, 2.15e-4, 0.0, world=0)
+    top = at_grid.scores[2]  # seed 0's 0.6 or seed 1's 0.61, as the world draws
+    assert top in (pytest.approx(0.6), pytest.approx(0.61))
+    assert at_grid.scores == pytest.approx((0.7 * top, 0.9 * top, top, 0.98 * top), abs=2e-4)
+    assert at_grid.seconds == (10.0,) * 4
+    assert at_grid.setup == 2.0  # tokenization and batch search are charged apart
+    between = curves.lookup(MINILM, "none", 16, math.sqrt(1e-4 * 2.15e-4), 0.0, world=0)
+    low = curves.lookup(MINILM, "none", 16, 1e-4, 0.0, world=0)
+    assert between.scores[2] == pytest.approx((low.scores[2] + at_grid.scores[2]) / 2)
+    # The nearest weight decay of the grid; rates outside the grid are clipped to it.
+    assert curves.lookup(MINILM, "none", 16, 2.15e-4, 0.04, 0) == curves.lookup(
+        MINILM, "none", 16, 2.15e-4, 0.05, 0)
+    assert curves.lookup(TINY, "none", 8, 1e-6, 0.0, 0) == curves.lookup(
+        TINY, "none", 8, 1e-5, 0.0, 0)
+
+
+def test_a_world_fixes_each_points_training_seed_and_worlds_differ(curves):
+    draws = {w: curves.lookup(MINILM, "none", 32, 1e-4, 0.1, world=w).scores[2]
+             for w in range(20)}
+    assert curves.lookup(MINILM, "none", 32, 1e-4, 0.1, world=3).scores[2] == draws[3]
+    assert len(set(draws.values())) == 2  # both recorded seeds are read
+
+
+def test_first_tokenization_and_batch_search_costs_come_from_the_table(curves):
+    assert curves.costs.tokenization == {MINILM: 5.0, TINY: 5.0}
+    assert curves.costs.batch_search[(MINILM, "none", 8)] == 3.0
+
+
+@dataclass
+class Scripted:
+    """A policy that runs the given configurations in turn and stops a trial at the epochs
+    given; it notes how many epoch reports it had heard at each ask."""
+    configs: list[replay.Config]
+    stop_at: dict[int, int] = field(default_factory=dict)
+    name: str = "scripted"
+    startup: float = 1.0
+    heard: list[int] = field(default_factory=list)
+    reports: int = 0
+    told: list[tuple[int, bool]] = field(default_factory=list)
+
+    def ask(self) -> Scripted.Run:
+        self.heard.append(self.reports)
+        return Scripted.Run(self, len(self.heard) - 1, self.configs[len(self.heard) - 1])
+
+    def slowdown(self, model: str) -> float:
+        return 1.0
+
+    @dataclass
+    class Run:
+        policy: Scripted
+        number: int
+        config: replay.Config
+
+        def report(self, epoch: int, score: float) -> bool:
+            self.policy.reports += 1
+            return self.policy.stop_at.get(self.number) == epoch
+
+        def finish(self, scores: list[float], stopped: bool) -> None:
+            self.policy.told.append((self.number, stopped))
+
+
+def config(model: str, batch: int = 16) -> replay.Config:
+    return replay.Config(model, "none", batch, 2.15e-4, 0.0)
+
+
+def test_one_worker_runs_trials_back_to_back_paying_first_costs_once(curves):
+    policy = Scripted([config(MINILM), config(MINILM), config(TINY)], stop_at={1: 2})
+    trials = replay.simulate(policy, curves, 0, budget=3, workers=1, epochs=4,
+                             searches_batches=True)
+    # start-up 1; set-up 2 + tokenization 5 + batch search 3; 4 epochs of 10 s
+    assert [(t.start, t.end, t.state) for t in trials] == [
+        (1.0, 51.0, "COMPLETE"),
+        (51.0, 73.0, "PRUNED"),  # set-up 2, pruned after 2 epochs: the search is cached
+        (73.0, 87.0, "COMPLETE")]  # tiny-bert: 2 + 5 + 3 + 4 x 1
+    assert policy.told == [(0, False), (1, True), (2, False)]
+    assert trials[0].value == max(trials[0].scores) and trials[1].value is None
+    assert replay.wall(trials, 3) == 87.0
+
+
+def test_asks_see_exactly_the_reports_made_before_them(curves):
+    policy = Scripted([config(TINY), config(MINILM), config(TINY), config(TINY)])
+    trials = replay.simulate(policy, curves, 0, budget=4, workers=2, epochs=4)
+    # Both workers ask at the start-up. The tiny-bert trial reports at 9, 10, 11 and 12,
+    # and its worker asks at 12 having heard those 4. The next tiny-bert trial reports at
+    # 15, 16, 17 and 18, where MiniLM's first epoch ends too, and came first: 9 heard.
+    assert policy.heard == [0, 0, 4, 9]
+    assert [t.end for t in trials] == [12.0, 18.0, 24.0, 48.0]
+
+
+def test_hpo_keeps_starting_trials_until_the_horizon(curves):
+    policy = Scripted([config(TINY)] * 10)
+    trials = replay.simulate(policy, curves, 0, budget=2, workers=1, epochs=2, horizon=30.0)
+    # 1 + 7 + 2 x 1, then 2 + 2 x 1 each: ends 10, 14, 18, 22, 26 and 30 (started at 26)
+    assert len(trials) == 6 and trials[-1].start < 30.0 <= trials[-1].end
+
+
+def test_g1_counts_ties_apart_and_g2_is_infinite_where_hpo_never_gets_there():
+    reps = [
+        {"hpo": {"steps": [[10, 0.5], [30, 0.7]]}, "peer": {"wall": 40, "steps": [[40, 0.6]]}},
+        {"hpo": {"steps": [[10, 0.6]]}, "peer": {"wall": 40, "steps": [[20, 0.6]]}},
+        {"hpo": {"steps": [[10, 0.5]]}, "peer": {"wall": 40, "steps": [[20, 0.6]]}},
+    ]
+    figures = replay.versus(reps, "peer")
+    assert figures["g1"] == pytest.approx(2 / 3, abs=1e-3)
+    assert figures["ties"] == pytest.approx(1 / 3, abs=1e-3)
+    assert figures["g1_strict"] == pytest.approx(1 / 3, abs=1e-3)
+    assert figures["g2_median"] == pytest.approx(0.75)  # 30/40, 10/40, never
+    assert figures["never"] == 1
+
+
+def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(curves):
+    from hpo import config as config_module
+
+    study = config_module.load(config_module.study_path("demo"), ["training.epochs=4"])
+    policy = replay.hpo_policy(study, curves, seed=3)
+    assert isinstance(policy.study.pruner, optuna.pruners.MedianPruner)
+    assert isinstance(policy.study.sampler, optuna.samplers.TPESampler)
+    trials = replay.simulate(policy, curves, 0, budget=8, workers=2, epochs=4,
+                             searches_batches=True)
+    assert len(trials) == 8 and {t.config.precision for t in trials} == {"none"}
+    assert {t.config.model for t in trials} <= {MINILM, TINY}
+    again = replay.simulate(replay.hpo_policy(study, curves, seed=3), curves, 0, budget=8,
+                            workers=2, epochs=4, searches_batches=True)
+    assert [t.config for t in again] == [t.config for t in trials]  # seeded: it repeats
+
+
+def test_every_policy_runs_and_the_output_holds_g1_and_g2_per_peer(tmp_path):
+    table = tmp_path / "table.json"
+    made = made_up_table()
+    made["machine"] = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())[
+        "runs"][0]["machine"]
+    table.write_text(json.dumps(made))
+    output = tmp_path / "out.json"
+    names = [p for p in replay.PEERS if p != "ray"]
+    replay.main(["--budget", "6", "--workers", "2", "--repetitions", "2", "--table",
+                 str(table), "--output", str(output), "--policies", *names])
+    result = json.loads(output.read_text())
+    assert set(result["versus"]) == set(names)
+    for figures in result["versus"].values():
+        assert 0 <= figures["g1"] <= 1 and figures["g2_median"] >= 0
+    assert result["measured"]["slowdowns"]["novice"]  # measured on that machine's runs
+    assert len(result["repetitions_data"]) == 2
+
+
+def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
+    pytest.importorskip("ray.tune", reason="Ray Tune comes with '.[bench]'")
+    from hpo import config as config_module
+
+    study = config_module.load(config_module.study_path("demo"), ["training.epochs=4"])
+    policy = replay.RayPolicy("ray", study.search_space, "none", 0, 4, 6)
+    trials = replay.simulate(policy, curves, 0, budget=12, workers=2, epochs=4)
+    assert len(trials) == 12
+    # ASHA (reduction factor 2) stops some trials at the first or second rung.
+    assert any(t.state == "PRUNED" for t in trials)
