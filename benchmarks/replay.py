@@ -663,6 +663,104 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def regret_curves(result: dict, points: int = 200) -> tuple[list[float], dict[str, Any]]:
+    """Per policy, the regret (the world's best grid score less the best found so far) at
+    `points` times: its interquartile mean over repetitions and a bootstrap 95% band."""
+    import numpy as np
+
+    reps = result["repetitions_data"]
+    names = [n for n in reps[0] if n != "oracle"]
+    end = max(rep[n]["wall"] for rep in reps for n in names)
+    times = np.linspace(0, end, points)
+    rng = np.random.default_rng(0)
+    out = {}
+    for name in names:
+        regret = np.array([[rep["oracle"]["best"] - (at(rep[name]["steps"], t) or 0.0)
+                            for t in times] for rep in reps])
+        boot = np.array([iqm(regret[rng.integers(0, len(reps), len(reps))])
+                         for _ in range(200)])
+        out[name] = (iqm(regret), np.percentile(boot, 2.5, axis=0),
+                     np.percentile(boot, 97.5, axis=0))
+    return list(times), out
+
+
+def iqm(values: Any) -> Any:
+    """The interquartile mean over the first axis (rliable's aggregate): the mean of the
+    middle half, a quarter cut from each end."""
+    import numpy as np
+
+    ordered = np.sort(values, axis=0)
+    cut = int(0.25 * len(ordered))
+    return ordered[cut:len(ordered) - cut].mean(axis=0)
+
+
+def render(paths: list[Path], plot: Path | None) -> str:
+    lines = ["| setting | peer | G1 (ties) | G1 strict | median G2 | never reached |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    results = [json.loads(p.read_text()) for p in paths]
+    for r in results:
+        setting = f"{r['budget']} trials x {r['workers']}"
+        for peer, f in r["versus"].items():
+            lines.append(f"| {setting} | {peer} | {f['g1']:.2f} ({f['ties']:.2f}) | "
+                         f"{f['g1_strict']:.2f} | {f['g2_median']:.2f} | {f['never']} |")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+        for ax, r in zip(axes[0], results, strict=True):
+            times, curves = regret_curves(r)
+            hours = [t / 3600 for t in times]
+            for name, (mean, low, high) in curves.items():
+                ax.plot(hours, mean, label=name)
+                ax.fill_between(hours, low, high, alpha=0.2)
+            ax.set_title(f"{r['budget']} trials on {r['workers']} worker(s), "
+                         f"{r['repetitions']} repetitions")
+            ax.set_xlabel("simulated hours")
+            ax.set_ylabel("regret (macro-F1), IQM and 95% band")
+            ax.set_yscale("log")
+        axes[0][0].legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=100)
+    return "\n".join(lines)
+
+
+def reality(real_path: Path, table_path: Path) -> str:
+    """The real runs of benchmarks/search_quality.json on the table's CPU kind replayed with
+    their seeds and budget: each tool's wall time and best, real against replayed."""
+    real, table = json.loads(real_path.read_text()), json.loads(table_path.read_text())
+    curves = Curves(table)
+    facts = measured(real, table["machine"])
+    study = config_module.load(config_module.study_path("demo"))
+    runs = [r for r in real["runs"] if r["label"] == "default"
+            and r.get("machine", real["machine"]) == table["machine"]]
+    lines = ["| seed | tool | real wall | replayed wall | ratio | real best | replayed best |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    budget = real["n_trials"]
+    for seed in sorted({r["seed"] for r in runs}):
+        chosen = dict((p.name, (p, searches)) for p, searches in policies(
+            [r["tool"] for r in runs if r["seed"] == seed], study, curves, seed, facts))
+        for run in (r for r in runs if r["seed"] == seed):
+            policy, searches = chosen[run["tool"]]
+            trials = simulate(policy, curves, seed, budget, 1, study.training.epochs,
+                              searches_batches=searches)
+            mine = wall(trials, budget)
+            theirs = run.get("trial_budget_wall") or sum(run["walls"])
+            first = sorted(run["trials"], key=lambda t: t["number"])[:budget]
+            real_best = max((t["value"] for t in first if t["state"] == "COMPLETE"),
+                            default=None)
+            lines.append(f"| {seed} | {run['tool']} | {theirs:.0f} s | {mine:.0f} s | "
+                         f"{mine / theirs:.2f} | {fmt(real_best)} | "
+                         f"{fmt(best_by(trials, math.inf))} |")
+    return "\n".join(lines)
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=int, default=20, help="trials per search")
@@ -675,7 +773,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--real", type=Path, default=REAL,
                         help="real runs: the peers' start-up and slowdowns")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--render", type=Path, nargs="+",
+                        help="write the table of these outputs (and --plot) instead")
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--reality", action="store_true",
+                        help="replay the real runs of --real on the table's CPU kind")
     args = parser.parse_args(argv)
+    if args.reality:
+        print(reality(args.real, args.table))
+        return
+    if args.render:
+        print(render(args.render, args.plot))
+        return
     if args.budget < 1 or args.workers < 1 or args.repetitions < 1:
         parser.error("--budget, --workers and --repetitions must be at least 1")
     result = run(args)

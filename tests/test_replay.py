@@ -212,3 +212,34 @@ def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
     assert len(trials) == 12
     # ASHA (reduction factor 2) stops some trials at the first or second rung.
     assert any(t.state == "PRUNED" for t in trials)
+
+
+def test_iqm_is_the_mean_of_the_middle_half():
+    import numpy as np
+
+    assert replay.iqm(np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 100.0])) == 3.5
+
+
+def test_render_writes_the_table_and_the_regret_plot(tmp_path):
+    out = tmp_path / "out.json"
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(made_up_table()))
+    replay.main(["--budget", "4", "--workers", "1", "--repetitions", "3", "--table",
+                 str(table), "--output", str(out), "--policies", "random", "expert"])
+    text = replay.render([out], tmp_path / "plot.png")
+    assert "| 4 trials x 1 | random |" in text and "| 4 trials x 1 | expert |" in text
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_reality_replays_the_real_runs_of_the_tables_cpu_kind(tmp_path, capsys):
+    real = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())
+    machine = next(r["machine"] for r in real["runs"] if r["seed"] == 3)
+    real["runs"] = [r for r in real["runs"] if r["tool"] != "ray"]  # Ray: its own test
+    (tmp_path / "real.json").write_text(json.dumps(real))
+    table = made_up_table()
+    table["machine"] = machine
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    replay.main(["--reality", "--real", str(tmp_path / "real.json"), "--table",
+                 str(tmp_path / "table.json")])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["novice", "expert", "hpo"]
