@@ -3,7 +3,8 @@ study's space, each run to the table's epochs with no pruner, through `hpo run` 
 
     python benchmarks/learning_curves.py --seeds 0 1 2           # record (resumes)
     python benchmarks/learning_curves.py --seeds 1 --minutes 60  # a part, appended later
-    python benchmarks/learning_curves.py --summary               # what the table holds
+    python benchmarks/learning_curves.py --summary               # what the table holds,
+                                                                  # stopped parts harvested
 
 The grid: both models, each precision native here, effective batches 8, 16 and 32, a log
 grid of learning rates over the space's range (3 a decade) and weight decay at its low, middle
@@ -90,9 +91,10 @@ def load_table(path: Path) -> dict:
             "columns": COLUMNS, "rows": []}
 
 
-def harvest(table: dict, storage: str, seed: int) -> int:
-    """Move the seed's finished trials into the table; fail a trial a killed run left
-    RUNNING and enqueue its point again. Returns how many rows were added."""
+def harvest(table: dict, storage: str, seed: int, requeue: bool = False) -> int:
+    """Move the seed's finished trials into the table; with `requeue` (no recording is
+    running), fail a trial a killed run left RUNNING and enqueue its point again. Returns
+    how many rows were added."""
     try:
         study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
     except KeyError:
@@ -106,7 +108,7 @@ def harvest(table: dict, storage: str, seed: int) -> int:
             table["rows"].append(row_of(trial, seed))
             have.add(key(trial.params, seed))
             added += 1
-        elif trial.state == TrialState.RUNNING:
+        elif trial.state == TrialState.RUNNING and requeue:
             study.tell(trial.number, state=TrialState.FAIL)
             study.enqueue_trial(trial.params)
     return added
@@ -117,7 +119,7 @@ def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: 
     directory = work / f"seed-{seed}"
     directory.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{directory / 'hpo.db'}"
-    save(table, output, harvest(table, storage, seed))
+    save(table, output, harvest(table, storage, seed, requeue=True))
     have = {tuple(r[:6]) for r in table["rows"]}
     missing = [p for p in points if key(p, seed) not in have]
     if not missing:
@@ -154,8 +156,8 @@ def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: 
         raise SystemExit(f"hpo run exited with {done.returncode}; see {directory / 'hpo.log'}")
 
 
-def save(table: dict, output: Path, added: int) -> None:
-    if not added:
+def save(table: dict, output: Path, added: int, force: bool = False) -> None:
+    if not added and not force:
         return
     today = date.today().isoformat()
     if today not in table["dates"]:
@@ -191,6 +193,15 @@ def main(argv: list[str] | None = None) -> None:
                          f"({cpu_model()}): record a new table with --output")
     precisions = native_precisions(detect())
     points = grid(study, precisions)
+    # What a recording stopped part-way left in its storages, first.
+    had_size = "train_size" in table
+    for directory in sorted(args.work.glob("seed-*")):
+        seed = int(directory.name.split("-", 1)[1])
+        if (directory / "hpo.db").exists():
+            save(table, args.output,
+                 harvest(table, f"sqlite:///{directory / 'hpo.db'}", seed))
+    if not had_size and "train_size" in table:
+        save(table, args.output, 0, force=True)
     if args.summary:
         summary(table, points)
         return
