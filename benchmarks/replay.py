@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import concurrent.futures
+import functools
 import hashlib
 import heapq
 import json
@@ -587,7 +589,7 @@ def oracle(curves: Curves, world: int, epochs: int) -> float:
 
 
 def repetition(names: list[str], study: config_module.StudyConfig, curves: Curves,
-               seed: int, budget: int, workers: int, facts: Measured) -> dict[str, dict]:
+               seed: int, *, budget: int, workers: int, facts: Measured) -> dict[str, dict]:
     """One paired repetition: every peer for `budget` trials, then hpo for `budget` trials
     and on until the slowest peer's wall time, all in world `seed`."""
     epochs = study.training.epochs
@@ -645,12 +647,17 @@ def run(args: argparse.Namespace) -> dict:
                                [f"training.epochs={args.epochs or table['epochs']}"])
     facts = measured(json.loads(args.real.read_text()), table["machine"])
     names = ["hpo", *[p for p in args.policies if p != "hpo"]]
+    one = functools.partial(repetition, names, study, curves, budget=args.budget,
+                            workers=args.workers, facts=facts)
+    seeds = range(args.first_seed, args.first_seed + args.repetitions)
     reps = []
-    for k in range(args.repetitions):
-        reps.append(repetition(names, study, curves, args.first_seed + k, args.budget,
-                               args.workers, facts))
-        if (k + 1) % 10 == 0:
-            print(f"  {k + 1}/{args.repetitions} repetitions", file=sys.stderr, flush=True)
+    # Repetitions are independent (each its own seeded world and samplers): run on --jobs
+    # processes, the results in seed order whatever finishes first.
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        for k, rep in enumerate(pool.map(one, seeds), 1):
+            reps.append(rep)
+            if k % 10 == 0:
+                print(f"  {k}/{args.repetitions} repetitions", file=sys.stderr, flush=True)
     return {
         "budget": args.budget, "workers": args.workers, "repetitions": args.repetitions,
         "first_seed": args.first_seed, "epochs": study.training.epochs,
@@ -767,6 +774,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--repetitions", type=int, default=100)
     parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="processes for the repetitions")
     parser.add_argument("--epochs", type=int, help="the study's epochs (default: the table's)")
     parser.add_argument("--policies", nargs="+", default=PEERS)
     parser.add_argument("--table", type=Path, default=TABLE)
@@ -785,8 +793,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.render:
         print(render(args.render, args.plot))
         return
-    if args.budget < 1 or args.workers < 1 or args.repetitions < 1:
-        parser.error("--budget, --workers and --repetitions must be at least 1")
+    if min(args.budget, args.workers, args.repetitions, args.jobs) < 1:
+        parser.error("--budget, --workers, --repetitions and --jobs must be at least 1")
     result = run(args)
     for peer, figures in result["versus"].items():
         print(f"{args.budget} trials x {args.workers} workers, hpo vs {peer}: "
