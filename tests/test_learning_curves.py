@@ -1,0 +1,87 @@
+"""benchmarks/learning_curves.py: the grid it records and how a stopped recording's trials
+reach the table (its trials themselves are `hpo run`'s, tested there)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import optuna
+import pytest
+from conftest import REPO
+from optuna.trial import TrialState
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import learning_curves  # noqa: E402
+
+from hpo import config as config_module  # noqa: E402
+from hpo.study import SPLITS  # noqa: E402
+
+
+def demo() -> config_module.StudyConfig:
+    return config_module.load(config_module.study_path("demo"))
+
+
+def test_the_grid_covers_the_demo_space_three_rates_a_decade():
+    points = learning_curves.grid(demo(), ("none", "bf16"))
+    assert len(points) == 2 * 2 * 3 * 3 * 7
+    rates = sorted({p["learning_rate"] for p in points})
+    assert rates == [1e-05, 2.15e-05, 4.64e-05, 0.0001, 0.000215, 0.000464, 0.001]
+    assert sorted({p["weight_decay"] for p in points}) == [0.0, 0.05, 0.1]
+    assert {p["target_effective_batch_size"] for p in points} == {8, 16, 32}
+
+
+def finished(study: optuna.Study, params: dict, state: TrialState) -> None:
+    trial = study.ask()
+    for name, value in params.items():
+        trial.suggest_categorical(name, [value])
+    for name, value in {"epoch_seconds": [10.0, 11.0], "epoch_scores": [0.3, 0.4],
+                        "trial_seconds": 30.5, "tokenization_seconds": 2.0,
+                        "batch_search_seconds": 1.5, "batch_probes": 2,
+                        "model_seconds": 0.5}.items():
+        trial.set_user_attr(name, value)
+    if state != TrialState.RUNNING:
+        study.tell(trial, 0.4, state=state if state == TrialState.FAIL else None)
+
+
+@pytest.fixture
+def stopped(tmp_path) -> str:
+    """A recording's storage as a kill leaves it: one trial done, one running."""
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    study = optuna.create_study(storage=storage, study_name=learning_curves.STUDY_NAME)
+    study.set_user_attr(SPLITS, {"train": {"posts": 420}})
+    point = learning_curves.grid(demo(), ("none",))
+    finished(study, point[0], TrialState.COMPLETE)
+    finished(study, point[1], TrialState.RUNNING)
+    return storage
+
+
+def test_a_finished_trial_becomes_a_row_and_a_running_one_is_left_alone(stopped, tmp_path):
+    table = learning_curves.load_table(tmp_path / "table.json")
+    assert learning_curves.harvest(table, stopped, seed=0) == 1
+    assert learning_curves.harvest(table, stopped, seed=0) == 0  # never twice
+    row = dict(zip(table["columns"], table["rows"][0], strict=True))
+    assert row["f1"] == [0.3, 0.4] and row["epoch_seconds"] == [10.0, 11.0]
+    assert row["setup_seconds"] == 9.5 and row["batch_probes"] == 2
+    assert table["train_size"] == 420
+    study = optuna.load_study(study_name=learning_curves.STUDY_NAME, storage=stopped)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.RUNNING]
+
+
+def test_before_recording_again_the_killed_trial_is_failed_and_enqueued_again(stopped,
+                                                                               tmp_path):
+    table = learning_curves.load_table(tmp_path / "table.json")
+    learning_curves.harvest(table, stopped, seed=0, requeue=True)
+    study = optuna.load_study(study_name=learning_curves.STUDY_NAME, storage=stopped)
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL, TrialState.WAITING]
+    assert study.trials[2].system_attrs["fixed_params"] == study.trials[1].params
+
+
+def test_the_table_file_reads_back_one_row_a_line(stopped, tmp_path):
+    output = tmp_path / "table.json"
+    table = learning_curves.load_table(output)
+    learning_curves.save(table, output, learning_curves.harvest(table, stopped, seed=0))
+    text = output.read_text()
+    assert json.loads(text) == table
+    assert text.count("\n[") == 1 and table["machine"] in text
