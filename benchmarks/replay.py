@@ -38,6 +38,7 @@ import concurrent.futures
 import functools
 import hashlib
 import heapq
+import itertools
 import json
 import math
 import statistics
@@ -176,6 +177,7 @@ class Running(Protocol):
 class Policy(Protocol):
     name: str
     startup: float  # seconds before a worker's first trial
+    gap: float  # seconds between a trial's end and the worker's next trial
 
     def ask(self) -> Running: ...
 
@@ -226,6 +228,7 @@ class OptunaPolicy:
     epochs: int
     startup: float = 0.0
     slowdowns: dict[str, float] = field(default_factory=dict)
+    gap: float = 0.0
     report_value: Callable[[list[float]], float] = best
     tell_value: Callable[[list[float]], float] = best
     step_of: Callable[[int, Config], int] = by_epoch
@@ -244,7 +247,7 @@ class OptunaPolicy:
 
 
 def hpo_policy(study_config: config_module.StudyConfig, curves: Curves, seed: int,
-               name: str = "hpo", startup: float = 0.0) -> OptunaPolicy:
+               name: str = "hpo", startup: float = 0.0, gap: float = 0.0) -> OptunaPolicy:
     """hpo's defaults as `hpo run` builds them: its sampler (seeded per trial), pruner,
     enqueued sets, space and precision rule, from hpo's own functions."""
     config = with_overrides(study_config, f"study.sampler.seed={seed}")
@@ -262,7 +265,7 @@ def hpo_policy(study_config: config_module.StudyConfig, curves: Curves, seed: in
                       params.learning_rate, float(params.extras.get("weight_decay", 0.0)))
 
     value = best if rule == "best" else last
-    return OptunaPolicy(name, study, sample, config.training.epochs, startup,
+    return OptunaPolicy(name, study, sample, config.training.epochs, startup, gap=gap,
                         report_value=value, tell_value=value,
                         sampler_for=lambda number: make_sampler(config, number))
 
@@ -352,6 +355,7 @@ class RayPolicy:
     n_startup_trials: int
     startup: float = 0.0
     slowdowns: dict[str, float] = field(default_factory=dict)
+    gap: float = 0.0
     handles: dict[str, _RayTrial] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -445,7 +449,7 @@ def simulate(policy: Policy, curves: Curves, world: int, budget: int, workers: i
         del running[number]
         finished.append(Finished(began, now, run.config, curve.scores[:epoch],
                                  "PRUNED" if pruned else "COMPLETE"))
-        start(worker, now)
+        start(worker, now + policy.gap)
     return finished
 
 
@@ -485,15 +489,22 @@ class Measured:
     startup: dict[str, float]
     slowdowns: dict[str, dict[str, float]]
     runs: int
+    # Seconds between a trial's end and the next trial's start on the same worker: what the
+    # tool does between trials (a Trainer built, a Ray trial's actor started, a study read).
+    gaps: dict[str, float] = field(default_factory=dict)
 
 
 def measured(real: dict, machine: str) -> Measured:
     runs = [r for r in real["runs"] if r["label"] == "default"
             and r.get("machine", real["machine"]) == machine]
     startup: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
     seconds: dict[str, dict[str, list[float]]] = {}
     for run in runs:
         startup.setdefault(run["tool"], []).append(min(t["start"] for t in run["trials"]))
+        ordered = sorted(run["trials"], key=lambda t: t["start"])
+        gaps.setdefault(run["tool"], []).extend(
+            max(b["start"] - a["end"], 0.0) for a, b in itertools.pairwise(ordered))
         for trial in run["trials"]:
             if trial["state"] == "COMPLETE":
                 seconds.setdefault(run["tool"], {}).setdefault(trial["model"], []).append(
@@ -503,7 +514,7 @@ def measured(real: dict, machine: str) -> Measured:
                         for model, v in by_model.items() if model in ours}
                  for tool, by_model in seconds.items()}
     return Measured({tool: statistics.median(v) for tool, v in startup.items()}, slowdowns,
-                    len(runs))
+                    len(runs), {tool: statistics.median(v) for tool, v in gaps.items() if v})
 
 
 def short(model: str) -> str:
@@ -543,33 +554,34 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
     def override(*sets: str) -> config_module.StudyConfig:
         return with_overrides(study, *sets)
 
-    hpo_start = facts.startup.get("hpo", 0.0)
     prior = [{"model_name": m, "learning_rate": r} for m in space.model_name
              for r in PRIOR_RATES]
+
+    def ours(config: config_module.StudyConfig, name: str) -> tuple[Policy, bool]:
+        return hpo_policy(config, curves, seed, name, facts.startup.get("hpo", 0.0),
+                          facts.gaps.get("hpo", 0.0)), True
+
+    def glue(name: str, sampler: optuna.samplers.BaseSampler, precision: str,
+             **how: Any) -> tuple[Policy, bool]:
+        study = study_of(sampler, median(pruner.n_startup_trials, pruner.n_warmup_steps))
+        return OptunaPolicy(name, study, plain_sample(space, precision), epochs,
+                            facts.startup.get(name, 0.0), slow[name], facts.gaps.get(name, 0.0),
+                            report_value=last, tell_value=last, **how), False
+
+    enqueue = "study.enqueue=" + yaml.safe_dump(prior, default_flow_style=True, width=math.inf)
     build: dict[str, Callable[[], tuple[Policy, bool]]] = {
-        "hpo": lambda: (hpo_policy(study, curves, seed, "hpo", hpo_start), True),
-        "novice": lambda: (OptunaPolicy(
-            "novice", study_of(optuna.samplers.TPESampler(seed=seed), median(
-                pruner.n_startup_trials, pruner.n_warmup_steps)),
-            plain_sample(space, "none"), epochs, facts.startup.get("novice", 0.0),
-            slow["novice"], report_value=last, tell_value=last, step_of=steps), False),
-        "expert": lambda: (OptunaPolicy(
-            "expert", study_of(optuna.samplers.TPESampler(
-                seed=seed, n_startup_trials=sampler.n_startup_trials), median(
-                pruner.n_startup_trials, pruner.n_warmup_steps)),
-            plain_sample(space, fastest), epochs, facts.startup.get("expert", 0.0),
-            slow["expert"], report_value=last, tell_value=last), False),
+        "hpo": lambda: ours(study, "hpo"),
+        "novice": lambda: glue("novice", optuna.samplers.TPESampler(seed=seed), "none",
+                               step_of=steps),
+        "expert": lambda: glue("expert", optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=sampler.n_startup_trials), fastest),
         "ray": lambda: (RayPolicy("ray", space, fastest, seed, epochs,
                                   sampler.n_startup_trials, facts.startup.get("ray", 0.0),
-                                  slow["ray"]), False),
-        "random": lambda: (hpo_policy(override("study.sampler.name=random",
-                                               "study.pruner.name=none"),
-                                      curves, seed, "random", hpo_start), True),
-        "tpe-hyperband": lambda: (hpo_policy(override("study.pruner.name=hyperband"),
-                                             curves, seed, "tpe-hyperband", hpo_start), True),
-        "prior": lambda: (hpo_policy(override(
-            "study.enqueue=" + yaml.safe_dump(prior, default_flow_style=True, width=math.inf)),
-                                     curves, seed, "prior", hpo_start), True),
+                                  slow["ray"], facts.gaps.get("ray", 0.0)), False),
+        "random": lambda: ours(override("study.sampler.name=random", "study.pruner.name=none"),
+                               "random"),
+        "tpe-hyperband": lambda: ours(override("study.pruner.name=hyperband"), "tpe-hyperband"),
+        "prior": lambda: ours(override(enqueue), "prior"),
     }
     unknown = [n for n in names if n not in build]
     if unknown:
@@ -664,7 +676,7 @@ def run(args: argparse.Namespace) -> dict:
         "table": {"file": args.table.name, "machine": table["machine"], "dates": table["dates"],
                   "rows": len(table["rows"]), "seeds": sorted({r[5] for r in table["rows"]})},
         "measured": {"startup": facts.startup, "slowdowns": facts.slowdowns,
-                     "runs": facts.runs},
+                     "gaps": facts.gaps, "runs": facts.runs},
         "versus": {peer: versus(reps, peer) for peer in names if peer != "hpo"},
         "repetitions_data": reps,
     }
@@ -743,8 +755,9 @@ def reality(real_path: Path, table_path: Path) -> str:
     study = config_module.load(config_module.study_path("demo"))
     runs = [r for r in real["runs"] if r["label"] == "default"
             and r.get("machine", real["machine"]) == table["machine"]]
-    lines = ["| seed | tool | real wall | replayed wall | ratio | real best | replayed best |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| seed | tool | real wall | replayed wall | ratio | real best | replayed best "
+             "| MiniLM trials real / replayed | pruned real / replayed |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     budget = real["n_trials"]
     for seed in sorted({r["seed"] for r in runs}):
         chosen = dict((p.name, (p, searches)) for p, searches in policies(
@@ -758,9 +771,15 @@ def reality(real_path: Path, table_path: Path) -> str:
             first = sorted(run["trials"], key=lambda t: t["number"])[:budget]
             real_best = max((t["value"] for t in first if t["state"] == "COMPLETE"),
                             default=None)
+            ran = sorted(trials, key=lambda t: t.start)[:budget]
+            large = sum("MiniLM" in t["model"] for t in first), sum(
+                "MiniLM" in t.config.model for t in ran)
+            pruned = sum(t["state"] != "COMPLETE" for t in first), sum(
+                t.state != "COMPLETE" for t in ran)
             lines.append(f"| {seed} | {run['tool']} | {theirs:.0f} s | {mine:.0f} s | "
                          f"{mine / theirs:.2f} | {fmt(real_best)} | "
-                         f"{fmt(best_by(trials, math.inf))} |")
+                         f"{fmt(best_by(ran, math.inf))} | {large[0]} / {large[1]} | "
+                         f"{pruned[0]} / {pruned[1]} |")
     return "\n".join(lines)
 
 

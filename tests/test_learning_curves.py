@@ -32,9 +32,14 @@ def test_the_grid_covers_the_demo_space_three_rates_a_decade():
 
 
 def finished(study: optuna.Study, params: dict, state: TrialState) -> None:
+    study.enqueue_trial(params)
     trial = study.ask()
-    for name, value in params.items():
-        trial.suggest_categorical(name, [value])
+    space = demo().search_space
+    trial.suggest_categorical("model_name", space.model_name)
+    trial.suggest_categorical("fp_precision", ["none"])
+    trial.suggest_categorical("target_effective_batch_size", space.target_effective_batch_size)
+    trial.suggest_float("learning_rate", 1e-5, 1e-3, log=True)
+    trial.suggest_float("weight_decay", 0.0, 0.1)
     for name, value in {"epoch_seconds": [10.0, 11.0], "epoch_scores": [0.3, 0.4],
                         "trial_seconds": 30.5, "tokenization_seconds": 2.0,
                         "batch_search_seconds": 1.5, "batch_probes": 2,

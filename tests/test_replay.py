@@ -94,6 +94,7 @@ class Scripted:
     stop_at: dict[int, int] = field(default_factory=dict)
     name: str = "scripted"
     startup: float = 1.0
+    gap: float = 0.0
     heard: list[int] = field(default_factory=list)
     reports: int = 0
     told: list[tuple[int, bool]] = field(default_factory=list)
