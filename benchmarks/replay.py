@@ -52,6 +52,7 @@ from typing import Any, Protocol
 import optuna
 import yaml
 from optuna.trial import TrialState
+from search_quality import variant
 
 from hpo import config as config_module
 from hpo.space import PinnedSpace, by_cost, declare, suggest
@@ -528,8 +529,10 @@ PRIOR_RATES = (2.0e-5, 5.0e-5)
 
 
 def policies(names: list[str], study: config_module.StudyConfig, curves: Curves, seed: int,
-             facts: Measured) -> list[tuple[Policy, bool]]:
-    """Each named policy for repetition `seed`, and whether it searches batches as hpo."""
+             facts: Measured, variants: dict[str, list[str]] | None = None
+             ) -> list[tuple[Policy, bool]]:
+    """Each named policy for repetition `seed`, and whether it searches batches as hpo;
+    `variants` names hpo with `--set` overrides (candidate defaults)."""
     space = study.search_space
     fastest = min(curves.precisions, key=lambda p: sum(
         curves.seconds_per_epoch(m, p) for m in curves.models))
@@ -583,6 +586,9 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
         "tpe-hyperband": lambda: ours(override("study.pruner.name=hyperband"), "tpe-hyperband"),
         "prior": lambda: ours(override(enqueue), "prior"),
     }
+    for label, sets in (variants or {}).items():
+        build[label] = functools.partial(lambda sets, label: ours(override(*sets), label),
+                                         sets, label)
     unknown = [n for n in names if n not in build]
     if unknown:
         raise SystemExit(f"unknown policy {unknown[0]}: choose from {', '.join(build)}")
@@ -601,12 +607,13 @@ def oracle(curves: Curves, world: int, epochs: int) -> float:
 
 
 def repetition(names: list[str], study: config_module.StudyConfig, curves: Curves,
-               seed: int, *, budget: int, workers: int, facts: Measured) -> dict[str, dict]:
+               seed: int, *, budget: int, workers: int, facts: Measured,
+               variants: dict[str, list[str]] | None = None) -> dict[str, dict]:
     """One paired repetition: every peer for `budget` trials, then hpo for `budget` trials
     and on until the slowest peer's wall time, all in world `seed`."""
     epochs = study.training.epochs
     out: dict[str, dict] = {}
-    chosen = policies(names, study, curves, seed, facts)
+    chosen = policies(names, study, curves, seed, facts, variants)
     for policy, searches in chosen:
         if policy.name == "hpo":
             continue
@@ -658,9 +665,10 @@ def run(args: argparse.Namespace) -> dict:
     study = config_module.load(config_module.study_path("demo"),
                                [f"training.epochs={args.epochs or table['epochs']}"])
     facts = measured(json.loads(args.real.read_text()), table["machine"])
-    names = ["hpo", *[p for p in args.policies if p != "hpo"]]
+    variants = dict(args.variants)
+    names = ["hpo", *[p for p in args.policies if p != "hpo"], *variants]
     one = functools.partial(repetition, names, study, curves, budget=args.budget,
-                            workers=args.workers, facts=facts)
+                            workers=args.workers, facts=facts, variants=variants)
     seeds = range(args.first_seed, args.first_seed + args.repetitions)
     reps = []
     # Repetitions are independent (each its own seeded world and samplers): run on --jobs
@@ -795,7 +803,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="processes for the repetitions")
     parser.add_argument("--epochs", type=int, help="the study's epochs (default: the table's)")
-    parser.add_argument("--policies", nargs="+", default=PEERS)
+    parser.add_argument("--policies", nargs="*", default=PEERS)
+    parser.add_argument("--variant", dest="variants", type=variant, action="append",
+                        default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE...]",
+                        help="also hpo with these overrides, as a peer named NAME")
     parser.add_argument("--table", type=Path, default=TABLE)
     parser.add_argument("--real", type=Path, default=REAL,
                         help="real runs: the peers' start-up and slowdowns")

@@ -244,3 +244,19 @@ def test_reality_replays_the_real_runs_of_the_tables_cpu_kind(tmp_path, capsys):
                  str(tmp_path / "table.json")])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
     assert [row.split(" | ")[1] for row in rows] == ["novice", "expert", "hpo"]
+
+
+def test_a_variant_is_hpo_with_overrides_scored_as_a_peer(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(made_up_table()))
+    output = tmp_path / "out.json"
+    replay.main(["--budget", "6", "--repetitions", "2", "--table", str(table), "--output",
+                 str(output), "--policies", "--variant",
+                 "hb2=study.pruner.name=hyperband;study.pruner.reduction_factor=2"])
+    result = json.loads(output.read_text())
+    assert list(result["versus"]) == ["hb2"]
+    study = replay.config_module.load(replay.config_module.study_path("demo"))
+    facts = replay.Measured({}, {}, 0)
+    (policy, searches), = replay.policies(["hb2"], study, replay.Curves(made_up_table()), 0,
+                                          facts, {"hb2": ["study.pruner.name=hyperband"]})
+    assert isinstance(policy.study.pruner, optuna.pruners.HyperbandPruner) and searches
