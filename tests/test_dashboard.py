@@ -54,7 +54,12 @@ def served(storage: str, *extra: str) -> Iterator[str]:
         yield base
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        try:
+            # Seconds on an idle machine; a loaded CI machine once took over 10.
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 @pytest.fixture

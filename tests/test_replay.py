@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import optuna
 import pytest
@@ -221,14 +222,29 @@ def test_iqm_is_the_mean_of_the_middle_half():
     assert replay.iqm(np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 100.0])) == 3.5
 
 
-def test_render_writes_the_table_and_the_regret_plot(tmp_path):
+def rendered_run(tmp_path) -> Path:
     out = tmp_path / "out.json"
     table = tmp_path / "table.json"
     table.write_text(json.dumps(made_up_table()))
     replay.main(["--budget", "4", "--workers", "1", "--repetitions", "3", "--table",
                  str(table), "--output", str(out), "--policies", "random", "expert"])
-    text = replay.render([out], tmp_path / "plot.png")
+    return out
+
+
+def test_render_writes_a_row_per_setting_and_peer_and_the_regret_bands_hold_the_iqm(
+        tmp_path):
+    out = rendered_run(tmp_path)
+    text = replay.render([out], None)
     assert "| 4 trials x 1 | random |" in text and "| 4 trials x 1 | expert |" in text
+    _, curves = replay.regret_curves(json.loads(out.read_text()))
+    mean, low, high = curves["expert"]
+    assert (low <= mean + 1e-9).all() and (mean <= high + 1e-9).all()
+    assert mean[-1] <= mean[0]  # the best so far only improves
+
+
+def test_render_plots_the_regret_curves(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot's matplotlib comes with '.[bench]'")
+    replay.render([rendered_run(tmp_path)], tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
