@@ -137,12 +137,9 @@ def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: 
                                                       width=math.inf).strip())
         complete = 0
     else:
-        waiting = {key(t.params, seed) for t in study.get_trials(states=(TrialState.WAITING,))}
-        for params in missing:
-            if key(params, seed) not in waiting:
-                study.enqueue_trial(params)
+        enqueue_missing(study, missing, seed)
         complete = len(study.get_trials(states=(TrialState.COMPLETE,)))
-    command = ["hpo", "run", "--study", "demo", "--storage", storage,
+    command = [sys.executable, "-m", "hpo.cli", "run", "--study", "demo", "--storage", storage,
                "--n-trials", str(complete + len(missing)),
                *[part for item in sets for part in ("--set", item)]]
     if seconds is not None:
@@ -154,6 +151,17 @@ def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: 
     save(table, output, harvest(table, storage, seed))
     if done.returncode != 0:
         raise SystemExit(f"hpo run exited with {done.returncode}; see {directory / 'hpo.log'}")
+
+
+def enqueue_missing(study: optuna.Study, missing: list[dict], seed: int) -> int:
+    """Enqueue the points not yet recorded nor waiting (a waiting trial's parameters are its
+    enqueued ones: it has sampled none). Returns how many were enqueued."""
+    waiting = {key(t.system_attrs.get("fixed_params", t.params), seed)
+               for t in study.get_trials(states=(TrialState.WAITING,))}
+    fresh = [params for params in missing if key(params, seed) not in waiting]
+    for params in fresh:
+        study.enqueue_trial(params)
+    return len(fresh)
 
 
 def save(table: dict, output: Path, added: int, force: bool = False) -> None:

@@ -90,3 +90,16 @@ def test_the_table_file_reads_back_one_row_a_line(stopped, tmp_path):
     text = output.read_text()
     assert json.loads(text) == table
     assert text.count("\n[") == 1 and table["machine"] in text
+
+
+def test_a_resumed_recording_enqueues_only_points_neither_recorded_nor_waiting(stopped,
+                                                                              tmp_path):
+    table = learning_curves.load_table(tmp_path / "table.json")
+    learning_curves.harvest(table, stopped, seed=0, requeue=True)
+    study = optuna.load_study(study_name=learning_curves.STUDY_NAME, storage=stopped)
+    points = learning_curves.grid(demo(), ("none",))[:3]
+    missing = [p for p in points if learning_curves.key(p, 0) not in {
+        tuple(r[:6]) for r in table["rows"]}]
+    # Point 0 is recorded, point 1 waits (the killed trial, enqueued again): only point 2.
+    assert learning_curves.enqueue_missing(study, missing, seed=0) == 1
+    assert learning_curves.enqueue_missing(study, missing, seed=0) == 0
