@@ -323,7 +323,7 @@ class RayRunning:
     last: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def trial_id_holder(self) -> Any:
+    def handle(self) -> Any:
         return self.policy.handles[self.trial_id]
 
     def report(self, epoch: int, score: float) -> bool:
@@ -331,12 +331,12 @@ class RayRunning:
 
         self.last = {"objective": score, "epoch": epoch, "training_iteration": epoch}
         self.policy.searcher.on_trial_result(self.trial_id, self.last)
-        action = self.policy.scheduler.on_trial_result(None, self.trial_id_holder, self.last)
+        action = self.policy.scheduler.on_trial_result(None, self.handle, self.last)
         return action == TrialScheduler.STOP
 
     def finish(self, scores: list[float], stopped: bool) -> None:
         self.policy.searcher.on_trial_complete(self.trial_id, result=self.last)
-        self.policy.scheduler.on_trial_complete(None, self.trial_id_holder, self.last)
+        self.policy.scheduler.on_trial_complete(None, self.handle, self.last)
 
 
 @dataclass(frozen=True)
@@ -364,7 +364,6 @@ class RayPolicy:
         from ray.tune.search.optuna import OptunaSearch
 
         sample = plain_sample(self.space, self.precision)
-        self.sample = sample
         self.searcher = OptunaSearch(
             space=lambda trial: sample(trial) and None, metric="objective", mode="max",
             sampler=optuna.samplers.TPESampler(seed=self.seed,
