@@ -18,7 +18,7 @@ PARAMS = {"model_name", "fp_precision", "target_effective_batch_size", "learning
 ATTRS = {
     "physical_batch_size", "grad_accum_steps", "effective_batch_size", "batch_probes",
     "device", "samples_per_second", "padding_efficiency", "train_seconds", "trial_seconds",
-    "versions", "worker", "epoch_seconds",
+    "versions", "worker", "epoch_seconds", "train_flops", "flops_per_second",
 }
 
 
@@ -51,6 +51,8 @@ def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
         assert 0 < attrs["padding_efficiency"] <= 1
         assert attrs["trial_seconds"] >= attrs["train_seconds"] > 0
         assert len(attrs["epoch_seconds"]) == len(trial.intermediate_values)
+        assert attrs["train_flops"] > 0 and attrs["flops_per_second"] > 0
+        assert "mfu" not in attrs  # a CPU's peak is not known
         assert 0.0 <= trial.value <= 1.0
     assert study.user_attrs["search_space"]["fp_precision"] == ["none"]
     out = capsys.readouterr().out

@@ -105,13 +105,48 @@ def test_status_shows_device_seconds_per_model_and_precision_and_the_wasted_shar
     assert (spent["pruned_share"], spent["failed_share"]) == (0.1, 0.1)
     assert spent["by_model_precision"] == [
         {"model_name": "b", "fp_precision": "none", "trials": 2, "device_seconds": 120.0,
-         "pruned_seconds": 0.0, "failed_seconds": 20.0, "interrupted_seconds": 0.0},
+         "pruned_seconds": 0.0, "failed_seconds": 20.0, "interrupted_seconds": 0.0,
+         "tflops_per_second": None, "mfu": None},
         {"model_name": "a", "fp_precision": "bf16", "trials": 2, "device_seconds": 80.0,
-         "pruned_seconds": 20.0, "failed_seconds": 0.0, "interrupted_seconds": 0.0}]
+         "pruned_seconds": 20.0, "failed_seconds": 0.0, "interrupted_seconds": 0.0,
+         "tflops_per_second": None, "mfu": None}]
     assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
     out = capsys.readouterr().out
     assert "compute: 200 device-seconds, 10% on pruned and 10% on failed trials" in out
     assert re.search(r"^  b +none +2 +120 +0 +20$", out, flags=re.MULTILINE)
+
+
+def test_status_shows_flops_per_second_and_mfu_over_each_rows_training_seconds(
+        tiny_study, tmp_path, capsys):
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import TrialState, create_trial
+
+    from hpo.summary import compute
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
+    models = CategoricalDistribution(["a", "b"])
+    precisions = CategoricalDistribution(["bf16", "none"])
+    # a/bf16 on GPUs: 2 s at 30% of the peak, then 4 s at 10%; b/none on a CPU: no peak.
+    for model, precision, attrs in [
+            ("a", "bf16", {"train_flops": 6e14, "flops_per_second": 3e14, "mfu": 0.3}),
+            ("a", "bf16", {"train_flops": 4e14, "flops_per_second": 1e14, "mfu": 0.1}),
+            ("b", "none", {"train_flops": 1e12, "flops_per_second": 5e10}),
+            ("b", "none", {})]:
+        study.add_trial(create_trial(
+            state=TrialState.COMPLETE, value=0.5,
+            params={"model_name": model, "fp_precision": precision},
+            distributions={"model_name": models, "fp_precision": precisions},
+            user_attrs={"trial_seconds": 10, **attrs}))
+    rows = {r["model_name"]: r for r in compute(study)["by_model_precision"]}
+    assert (rows["a"]["tflops_per_second"], rows["a"]["mfu"]) == (166.7, 0.1667)
+    assert (rows["b"]["tflops_per_second"], rows["b"]["mfu"]) == (0.05, None)
+    assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  model +precision +trials +device-s +pruned-s +failed-s +TFLOP/s +MFU$",
+                     out, flags=re.MULTILINE)
+    assert re.search(r"^  a +bf16 +2 +20 +0 +0 +167 +16\.7%$", out, flags=re.MULTILINE)
+    assert re.search(r"^  b +none +2 +20 +0 +0 +0\.05 +-$", out, flags=re.MULTILINE)
 
 
 def test_studies_shows_a_dash_not_none_for_a_study_without_trials():

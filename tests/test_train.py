@@ -6,18 +6,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_DATA
+from conftest import DEMO_DATA, H100
 
 from hpo import faults
 from hpo.data.batching import Collator, encode
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.tasks import build_examples
-from hpo.hardware import detect
+from hpo.flops import model_flops
+from hpo.hardware import detect, peak_flops
 from hpo.models import ModelStore
 from hpo.train import (
     CompiledOrEager,
     NonFiniteLoss,
     Plan,
+    Progress,
     balanced_pos_weight,
     micro_batch_loss,
     predict,
@@ -97,6 +99,18 @@ def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     assert progress.train_seconds >= progress.step_seconds > 0
     assert len(progress.epoch_seconds) == 2 and min(progress.epoch_seconds) > 0
     assert sum(progress.epoch_seconds) == pytest.approx(progress.train_seconds)
+    # Every real token of 2 epochs' batches, at the model's FLOPs per token or more.
+    flops = model_flops(model)
+    assert progress.model_flops >= 6 * flops.trained * progress.real_tokens > 0
+    assert progress.flops_per_second == progress.model_flops / progress.step_seconds
+    assert progress.mfu is None  # no known peak for a CPU
+
+
+def test_mfu_is_the_achieved_rate_over_the_devices_peak_in_the_trials_precision():
+    progress = Progress(model_flops=3e15, step_seconds=10.0,
+                        peak_flops=peak_flops(H100, "bf16"))
+    assert progress.flops_per_second == 3e14
+    assert progress.mfu == pytest.approx(3e14 / 989.4e12)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])

@@ -398,7 +398,8 @@ def step_study(work: Path, setting: Setting) -> dict[str, Any]:
              "precision": t.params.get("fp_precision"), "state": t.state.name,
              "value": t.value, **{k: t.user_attrs.get(k) for k in (
                  "physical_batch_size", "grad_accum_steps", "fused_adamw", "grad_scale",
-                 "peak_memory_mib", "samples_per_second", "trial_seconds", "worker")}}
+                 "peak_memory_mib", "samples_per_second", "flops_per_second", "mfu",
+                 "trial_seconds", "worker")}}
             for t in trials]
     problems = [] if codes == [0, 0] else [f"worker exit codes {codes}"]
     if len(finished) != setting.trials or len(trials) != setting.trials:
@@ -411,6 +412,8 @@ def step_study(work: Path, setting: Setting) -> dict[str, Any]:
             problems.append(f"trial {row['trial']}: fp16 without a GradScaler scale")
         if not setting.rehearse and (not row["fused_adamw"] or not row["peak_memory_mib"]):
             problems.append(f"trial {row['trial']}: fused AdamW or peak memory missing")
+        if not setting.rehearse and not row["mfu"]:  # the lent H100s and H200s are known
+            problems.append(f"trial {row['trial']}: no MFU recorded")
     searched = {r["precision"] for r in rows}
     if not set(setting.precisions) <= searched:
         problems.append(f"precisions searched {sorted(searched)}, not {setting.precisions}")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # Both light: `hpo --help` and a mistyped study file do not wait for torch.
-from hpo import commands, release
+from hpo import commands, launcher, release
 from hpo.errors import BAD_INPUT, Terminated, WorkerStopped
 from hpo.preflight import StudyRef
 
@@ -54,6 +54,21 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1, "a positive integer")
 _trial_number = _int_at_least(0, "a trial number")
+
+
+def _workers(text: str) -> int | None:
+    """`--workers`: a number of workers, or None for `gpus` (one per visible GPU)."""
+    if text == "gpus":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of workers or 'gpus', got "
+                                         f"{text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of workers (1 or more) or "
+                                         f"'gpus', got {value}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -164,6 +179,12 @@ def _search_options(run: argparse.ArgumentParser, create: argparse.ArgumentParse
     run.add_argument("--verbose", action="store_true",
                      help="also say how models and tokens were loaded and the rule that "
                           "chose the precisions")
+    run.add_argument("--workers", type=_workers, default=argparse.SUPPRESS, metavar="N|gpus",
+                     help="start N workers on this host, or one per visible GPU (gpus), "
+                          "each pinned to its own GPU or share of the cores")
+    run.add_argument("--restarts", type=_int_at_least(0, "a number of restarts"), default=None,
+                     help="with --workers: start a worker that died again, at most this "
+                          "many times each (default 3)")
     for command in (run, create):
         command.add_argument("--skip-check", action="store_true",
                              help="no step per model x precision before the search")
@@ -243,6 +264,15 @@ def command_check(args: argparse.Namespace) -> int:
 def command_run(args: argparse.Namespace) -> int:
     if args.n_trials is None and args.timeout is None:
         raise UsageError("run: give --n-trials, --timeout or both")
+    if "workers" in args:
+        try:
+            return launcher.launch(args.workers, _worker_command(args, "run"),
+                                   _worker_command(args, "create"),
+                                   restarts=3 if args.restarts is None else args.restarts)
+        except launcher.LaunchError as exc:
+            raise UsageError(f"run: {exc}") from None
+    if args.restarts is not None:
+        raise UsageError("run: --restarts applies to the workers of --workers; give both")
     try:
         commands.run(_ref(args), n_trials=args.n_trials, timeout=args.timeout,
                      skip_check=args.skip_check, verbose=args.verbose)
@@ -250,6 +280,29 @@ def command_run(args: argparse.Namespace) -> int:
         print(f"hpo: worker stopped: {exc}", file=sys.stderr)
         return EXIT_UNEXPECTED
     return EXIT_OK
+
+
+def _worker_command(args: argparse.Namespace, command: str) -> list[str]:
+    """The argv of one `hpo run` worker of `--workers` (or of the `hpo create` before them):
+    the same study, storage, overrides and budget."""
+    argv = [sys.executable, "-m", "hpo.cli", command]
+    argv += ["--study", args.study] if args.study is not None else ["--config", str(args.config)]
+    if args.storage is not None:
+        argv += ["--storage", args.storage]
+    for override in args.overrides:
+        argv += ["--set", override]
+    if args.skip_check:
+        argv.append("--skip-check")
+    if getattr(args, "debug", False):
+        argv.append("--debug")
+    if command == "run":
+        if args.n_trials is not None:
+            argv += ["--n-trials", str(args.n_trials)]
+        if args.timeout is not None:
+            argv += ["--timeout", repr(args.timeout)]
+        if args.verbose:
+            argv.append("--verbose")
+    return argv
 
 
 def command_status(args: argparse.Namespace) -> int:
@@ -321,6 +374,7 @@ def _terminate(signum: int, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    launcher.follow_parent()
     if not argv:
         build_parser().print_help()
         return EXIT_OK

@@ -20,6 +20,9 @@ HPO_FAULT_COMPILE=forward|backward
                               torch.compile's compiler fails on the model's forward graph, or
                               on its backward graph (which torch compiles at the first
                               backward pass), as it can on a model it does not support.
+HPO_FAULT_GPUS=N              the host shows N GPUs to `hpo run --workers`, which pins one
+                              worker to each (CUDA_VISIBLE_DEVICES=0 ... N-1); on a machine
+                              without a GPU the workers then train on the CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ KILL_ABOVE_BATCH = "HPO_FAULT_KILL_ABOVE_BATCH"
 KILL_AT = "HPO_FAULT_KILL_AT"
 NAN_LOSS = "HPO_FAULT_NAN_LOSS"
 COMPILE = "HPO_FAULT_COMPILE"
+GPUS = "HPO_FAULT_GPUS"
 KILL_POINTS = ("claim", "heartbeat", "train", "tell")
 COMPILE_GRAPHS = ("forward", "backward")
 
@@ -58,6 +62,7 @@ def check_environment() -> None:
     _int_env(OOM_ABOVE_BATCH)
     _int_env(OOM_AT_STEP)
     _int_env(KILL_ABOVE_BATCH)
+    _int_env(GPUS)
     nan_loss = os.environ.get(NAN_LOSS, "").strip()
     if nan_loss and (nan_loss.count("|") != 1 or nan_loss.rsplit("|", 1)[1] not in
                      ("fp16", "bf16", "none")):
@@ -71,6 +76,11 @@ def check_environment() -> None:
     if graph and graph not in COMPILE_GRAPHS:
         raise FaultConfigError(f"{COMPILE} must be one of {', '.join(COMPILE_GRAPHS)}, "
                                f"got {graph!r}")
+
+
+def gpu_count() -> int | None:
+    """The number of GPUs HPO_FAULT_GPUS says the host shows, if it is set."""
+    return _int_env(GPUS)
 
 
 def kill_at(point: str) -> None:

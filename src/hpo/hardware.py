@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import torch
 
+from hpo import faults
 from hpo.config import PRECISIONS
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
@@ -127,6 +129,55 @@ def detect(requested: str = "auto") -> Device:
         compute_capability=(props.major, props.minor),
         index=index,
     )
+
+
+# NVIDIA's datasheet peaks in dense TFLOP/s (sparsity halved away) per precision: fp16 and
+# bf16 on the tensor cores; `none` as hpo trains fp32 there, on TF32 tensor cores from Ampere
+# on (configure_backends), plain FP32 before. An entry matches a device whose name holds all
+# its words (A10 is not A10G); the first match wins.
+_PEAK_TFLOPS: tuple[tuple[frozenset[str], dict[str, float]], ...] = tuple(
+    (frozenset(words.split()), peaks) for words, peaks in (
+        ("h100 pcie", {"fp16": 756.5, "bf16": 756.5, "none": 378.0}),
+        ("h100 nvl", {"fp16": 835.5, "bf16": 835.5, "none": 417.5}),
+        ("h100", {"fp16": 989.4, "bf16": 989.4, "none": 494.7}),  # SXM
+        ("h200 nvl", {"fp16": 835.5, "bf16": 835.5, "none": 417.5}),
+        ("h200", {"fp16": 989.4, "bf16": 989.4, "none": 494.7}),  # SXM
+        ("a100", {"fp16": 312.0, "bf16": 312.0, "none": 156.0}),
+        ("l40s", {"fp16": 362.05, "bf16": 362.05, "none": 183.0}),
+        ("l4", {"fp16": 121.0, "bf16": 121.0, "none": 60.0}),
+        ("a10", {"fp16": 125.0, "bf16": 125.0, "none": 62.5}),
+        ("t4", {"fp16": 65.0, "none": 8.1}),
+        ("v100 pcie", {"fp16": 112.0, "none": 14.0}),
+        ("v100", {"fp16": 125.0, "none": 15.7}),  # SXM2
+    ))
+
+
+def peak_flops(device: Device, precision: str) -> float | None:
+    """The device's datasheet peak in FLOP/s for training in `precision`, where hpo knows
+    it: the GPUs of the table above; None for a CPU or another GPU."""
+    if device.type != "cuda":
+        return None
+    words = set(re.split(r"[^a-z0-9]+", device.name.lower()))
+    for needed, peaks in _PEAK_TFLOPS:
+        if needed <= words:
+            peak = peaks.get(precision)
+            return peak * 1e12 if peak is not None else None
+    return None
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs a process started here can use, each as CUDA_VISIBLE_DEVICES names it: the
+    variable's own entries (indices or UUIDs) where it is set, else 0 ... count-1. Counting
+    creates no CUDA context."""
+    faked = faults.gpu_count()
+    if faked is not None:
+        return [str(index) for index in range(faked)]
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(index) for index in range(count)]
+    # CUDA stops at the first entry it cannot read; its count says how many it took.
+    return [entry.strip() for entry in listed.split(",") if entry.strip()][:count]
 
 
 # On a CPU, oneDNN compiles a kernel for every new (operation, precision, shape) and keeps it:

@@ -85,6 +85,11 @@ def record_compiled(trial: optuna.Trial, failure: str | None) -> None:
 def record_speed(trial: optuna.Trial, progress: Progress) -> None:
     trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
     trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
+    trial.set_user_attr("train_flops", float(f"{progress.model_flops:.4g}"))
+    trial.set_user_attr("flops_per_second", float(f"{progress.flops_per_second:.4g}"))
+    if progress.mfu is not None:
+        trial.set_user_attr("mfu", round(progress.mfu, 4))
+        trial.set_user_attr("peak_flops", progress.peak_flops)
     if progress.grad_scale is not None:
         trial.set_user_attr("grad_scale", progress.grad_scale)
 

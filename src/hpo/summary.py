@@ -114,6 +114,27 @@ def _kind(trial: optuna.trial.FrozenTrial) -> str:
     return "interrupted" if interrupted(trial) else "failed"
 
 
+def _add_flops(row: dict[str, Any], attrs: dict[str, Any]) -> None:
+    flops, rate = attrs.get("train_flops"), attrs.get("flops_per_second")
+    if not flops or not rate:
+        return
+    seconds = flops / rate  # the trial's training-step seconds
+    row["_flops"] = row.get("_flops", 0.0) + flops
+    row["_seconds"] = row.get("_seconds", 0.0) + seconds
+    if attrs.get("mfu") is not None:
+        row["_mfu_seconds"] = row.get("_mfu_seconds", 0.0) + seconds
+        row["_mfu"] = row.get("_mfu", 0.0) + attrs["mfu"] * seconds
+
+
+def _rate_flops(row: dict[str, Any]) -> None:
+    """The row's training FLOP/s over all its trials' training steps, and its MFU weighted
+    by their seconds (workers on different GPUs have different peaks)."""
+    flops, seconds = row.pop("_flops", 0.0), row.pop("_seconds", 0.0)
+    mfu, mfu_seconds = row.pop("_mfu", 0.0), row.pop("_mfu_seconds", 0.0)
+    row["tflops_per_second"] = float(f"{flops / seconds / 1e12:.4g}") if seconds else None
+    row["mfu"] = round(mfu / mfu_seconds, 4) if mfu_seconds else None
+
+
 def compute(study: optuna.Study) -> dict[str, Any]:
     """Device-seconds spent by finished trials, per model and precision, and the share of
     them spent on trials that were pruned, failed or interrupted: what the search's results
@@ -131,6 +152,7 @@ def compute(study: optuna.Study) -> dict[str, Any]:
                                     "interrupted_seconds": 0.0})
         row["trials"] += 1
         row["device_seconds"] += seconds
+        _add_flops(row, trial.user_attrs)
         if kind != "complete":
             row[f"{kind}_seconds"] += seconds
         totals[kind] += seconds
@@ -139,6 +161,7 @@ def compute(study: optuna.Study) -> dict[str, Any]:
         for name in ("device_seconds", "pruned_seconds", "failed_seconds",
                      "interrupted_seconds"):
             row[name] = round(row[name], 1)
+        _rate_flops(row)
     return {
         "device_seconds": round(total, 1),
         **{f"{kind}_share": round(totals[kind] / total, 4) if total else 0.0
@@ -192,6 +215,12 @@ def _counts_line(info: dict[str, Any]) -> str:
     return f"study '{info['study']}': {line}"
 
 
+def _rate(value: float | None, name: str) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}%" if name == "mfu" else f"{value:.3g}"
+
+
 def _compute_lines(spent: dict[str, Any]) -> list[str]:
     # The interrupted share and column appear only where a trial was interrupted, so that a
     # study without one reads as it always has.
@@ -202,10 +231,16 @@ def _compute_lines(spent: dict[str, Any]) -> list[str]:
               f"{100 * spent['pruned_share']:.0f}% on pruned and "
               f"{100 * spent['failed_share']:.0f}% on failed trials")
     names = ["device", "pruned", "failed", *(["interrupted"] if stopped else [])]
-    rows = [["model", "precision", "trials", *(f"{name}-s" for name in names)]]
+    by_row = spent["by_model_precision"]
+    # The FLOP/s and MFU columns appear where some trial recorded them.
+    rates = [name for name in ("tflops_per_second", "mfu")
+             if any(r.get(name) is not None for r in by_row)]
+    rows = [["model", "precision", "trials", *(f"{name}-s" for name in names),
+             *({"tflops_per_second": "TFLOP/s", "mfu": "MFU"}[name] for name in rates)]]
     rows += [[r["model_name"], r["fp_precision"], str(r["trials"]),
-              *(f"{r[f'{name}_seconds']:.0f}" for name in names)]
-             for r in spent["by_model_precision"]]
+              *(f"{r[f'{name}_seconds']:.0f}" for name in names),
+              *(_rate(r.get(name), name) for name in rates)]
+             for r in by_row]
     return [f"compute: {spent['device_seconds']:.0f} device-seconds, {shares}",
             *("  " + line for line in _columns(rows))]
 

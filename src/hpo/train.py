@@ -19,7 +19,8 @@ from transformers import get_linear_schedule_with_warmup
 from hpo import faults, memory
 from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
 from hpo.errors import one_line
-from hpo.hardware import Device, autocast_dtype, fused_adamw, loader_settings
+from hpo.flops import ModelFlops, model_flops
+from hpo.hardware import Device, autocast_dtype, fused_adamw, loader_settings, peak_flops
 
 
 class NonFiniteLoss(RuntimeError):
@@ -67,6 +68,25 @@ class Progress:
     # Each finished epoch's seconds, its steps and its evaluation: what a replay of the
     # search in simulated time looks up (benchmarks/learning_curves.py).
     epoch_seconds: list[float] = field(default_factory=list)
+    # The model's training FLOPs so far (hpo.flops) and the device's peak in the trial's
+    # precision, where known: the model-FLOPs utilisation.
+    model_flops: float = 0.0
+    peak_flops: float | None = None
+
+    def count(self, mask: torch.Tensor, flops: ModelFlops) -> None:
+        """A micro-batch's tokens and FLOPs, from its mask's host copy: on a GPU, reading
+        the device copy would sync."""
+        self.real_tokens += int(mask.sum())
+        self.padded_tokens += mask.numel()
+        self.model_flops += flops.sequences(mask.sum(dim=1))
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.model_flops / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def mfu(self) -> float | None:
+        return self.flops_per_second / self.peak_flops if self.peak_flops else None
 
     @property
     def train_seconds(self) -> float:
@@ -306,7 +326,9 @@ def train(
     )
     sampler = PlannedBatches()
     loader = _loader(train_data, pad_id, device, sampler)
-    progress = Progress(steps_per_epoch=steps_per_epoch)
+    progress = Progress(steps_per_epoch=steps_per_epoch,
+                        peak_flops=peak_flops(device, plan.precision))
+    flops = model_flops(model)
     non_blocking = device.type == "cuda"
     if pos_weight is not None:
         pos_weight = pos_weight.to(device.torch_device)
@@ -323,9 +345,7 @@ def train(
             running = torch.zeros((), device=device.torch_device)
             for _ in step:
                 host = next(batches)
-                # Counted on the host copy: on a GPU, reading the device copy would sync.
-                progress.real_tokens += int(host["attention_mask"].sum())
-                progress.padded_tokens += host["attention_mask"].numel()
+                progress.count(host["attention_mask"], flops)
                 batch = {
                     k: v.to(device.torch_device, non_blocking=non_blocking)
                     for k, v in host.items()

@@ -1,0 +1,259 @@
+"""`hpo run --workers N|gpus`: one command that starts N workers on this host, or one per
+visible GPU, each an ordinary `hpo run` process that joins the study.
+
+The rule: the launcher supervises and never trains. It creates the study once, check
+included, in a child of its own; then it starts the workers, each pinned to its own GPU
+(`CUDA_VISIBLE_DEVICES`) or, on a CPU, given an equal share of the cores. It prefixes every
+line a worker prints with the worker's name. It passes Ctrl-C and SIGTERM on to every worker
+once, and each frees its running trial for a retry as a lone worker does. It starts a worker
+that died again, up to `restarts` times per worker, but not one that exited 0 (the study
+has its budget) or 2 (bad input, which a restart would repeat). It exits with the workers'
+worst code (`worst`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+# Set in each worker's environment: the worker follows the launcher's death (cli.main).
+PARENT_VARIABLE = "HPO_LAUNCHER_PID"
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_PR_SET_PDEATHSIG = 1
+_POLL_SECONDS = 0.2
+
+
+class LaunchError(ValueError):
+    """A worker count this host cannot run; the message says what to run instead."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str  # the prefix of its lines: w0, w1, ...
+    env: Mapping[str, str]  # the variables set for it on top of the launcher's own
+    place: str  # where it runs, in words: "GPU 3 (CUDA_VISIBLE_DEVICES=3)", "1 of 2 cores"
+
+
+def plan(count: int | None, gpus: Sequence[str], cores: int,
+         environ: Mapping[str, str]) -> list[WorkerSpec]:
+    """The workers to start: `count` of them, or one per GPU where `count` is None
+    (`--workers gpus`). `gpus` are the visible GPUs as CUDA_VISIBLE_DEVICES names them."""
+    if count is None:
+        if not gpus:
+            raise LaunchError("--workers gpus: no GPU is visible on this host; to run "
+                              "workers on the CPU, give their number: --workers 2")
+        count = len(gpus)
+    if gpus and count > len(gpus):
+        raise LaunchError(f"--workers {count}: this host shows {len(gpus)} GPU(s), and a "
+                          f"worker needs a GPU of its own (its batch search measures the "
+                          f"whole device); use --workers gpus or at most {len(gpus)}")
+    # Each worker's torch threads get an equal share of the cores, unless the user set them.
+    threads = str(max(1, cores // count))
+    shared = {name: threads for name in THREAD_VARIABLES if name not in environ}
+    given = ", ".join(f"{name}={environ[name]}" for name in THREAD_VARIABLES if name in environ)
+    share = f"{threads} of {cores} cores" if shared else f"threads as set: {given}"
+    specs = []
+    for index in range(count):
+        env = dict(shared)
+        place = share
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[index]
+            place = f"GPU {gpus[index]} (CUDA_VISIBLE_DEVICES={gpus[index]}), {share}"
+        specs.append(WorkerSpec(f"w{index}", env, place))
+    return specs
+
+
+# Exit codes from least to most severe; a code not listed (1, a signal's) is the most.
+_SEVERITY = {0: 0, 128 + signal.SIGINT: 1, 128 + signal.SIGTERM: 2, 2: 3}
+
+
+def exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it: killed by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def worst(codes: Sequence[int]) -> int:
+    """The workers' worst exit code: an unexpected error or a death (1, 137) over bad input
+    (2) over SIGTERM (143) over Ctrl-C (130) over done (0)."""
+    return max(codes, key=lambda code: (_SEVERITY.get(code, len(_SEVERITY)), code), default=0)
+
+
+def restartable(code: int) -> bool:
+    """Whether a worker that exited with `code`, unasked, is started again: not once the
+    study has its budget (0), nor after bad input (2), which a restart would repeat."""
+    return code not in (0, 2)
+
+
+@dataclass
+class _Child:
+    spec: WorkerSpec
+    process: subprocess.Popen[str]
+    restarts: int = 0
+    readers: list[threading.Thread] = field(default_factory=list)
+
+
+class Launcher:
+    """Starts children, copies their lines with a prefix, forwards signals, restarts the
+    dead. `command` is the argv of one worker; `out` and `err` receive the lines."""
+
+    def __init__(self, command: Sequence[str], *, restarts: int, out: IO[str] = sys.stdout,
+                 err: IO[str] = sys.stderr) -> None:
+        self.command = list(command)
+        self.restarts = restarts
+        self.out, self.err = out, err
+        self.stopping: int | None = None  # the signal that stops the workers
+        self._children: list[_Child] = []
+        self._readers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def say(self, text: str, prefix: str = "hpo") -> None:
+        with self._lock:
+            print(f"[{prefix}] {text}", file=self.out, flush=True)
+
+    def _copy(self, stream: IO[str], prefix: str, sink: IO[str]) -> None:
+        for line in stream:
+            text = line.rstrip("\n")
+            with self._lock:
+                sink.write(f"[{prefix}] {text}\n")
+                sink.flush()
+        stream.close()
+
+    def _start(self, spec: WorkerSpec, command: Sequence[str]) -> subprocess.Popen[str]:
+        env = {**os.environ, **spec.env, PARENT_VARIABLE: str(os.getpid()),
+               "PYTHONUNBUFFERED": "1"}
+        # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which passes
+        # it on once, instead of every worker seeing it twice.
+        process = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
+        readers = [threading.Thread(target=self._copy, args=(stream, spec.name, sink),
+                                    daemon=True)
+                   for stream, sink in ((process.stdout, self.out), (process.stderr, self.err))]
+        for reader in readers:
+            reader.start()
+        self._readers.extend(readers)
+        return process
+
+    def _forward(self, signum: int, frame: object) -> None:
+        if self.stopping is None:
+            self.stopping = signum
+            self.say(f"{signal.Signals(signum).name}: stopping every worker; each frees its "
+                     f"running trial for a retry")
+        for child in self._children:
+            if child.process.poll() is None:
+                child.process.send_signal(signum)
+
+    def run_once(self, spec: WorkerSpec, command: Sequence[str]) -> int:
+        """One child to its end (the study's creation): its exit code."""
+        with self._signals():
+            child = _Child(spec, self._start(spec, command))
+            self._children = [child]
+            code = exit_code(child.process.wait())
+        self._join()
+        return code
+
+    def supervise(self, specs: Sequence[WorkerSpec]) -> int:
+        """Every worker to its end, restarting the dead: the worst exit code."""
+        codes: dict[str, int] = {}
+        with self._signals():
+            for spec in specs:
+                child = _Child(spec, self._start(spec, self.command))
+                self._children.append(child)
+                self.say(f"started: pid {child.process.pid}, {spec.place}", spec.name)
+            while len(codes) < len(specs):
+                time.sleep(_POLL_SECONDS)
+                for child in self._children:
+                    if child.spec.name in codes or child.process.poll() is None:
+                        continue
+                    code = exit_code(child.process.returncode)
+                    if self._restart(child, code):
+                        continue
+                    codes[child.spec.name] = code
+        self._join()
+        return worst(list(codes.values()))
+
+    def _restart(self, child: _Child, code: int) -> bool:
+        name = child.spec.name
+        if self.stopping is not None or not restartable(code):
+            if code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                self.say(f"exited with code {code}", name)
+            return False
+        if child.restarts >= self.restarts:
+            self.say(f"exited with code {code}; not restarted: it has been restarted "
+                     f"{child.restarts} time(s), the bound (--restarts)", name)
+            return False
+        child.restarts += 1
+        child.process = self._start(child.spec, self.command)
+        self.say(f"exited with code {code}; restarted ({child.restarts} of {self.restarts}): "
+                 f"pid {child.process.pid}, {child.spec.place}", name)
+        return True
+
+    def _join(self) -> None:
+        for reader in self._readers:
+            reader.join()
+        self._readers.clear()
+
+    def _signals(self):
+        return _Handlers((signal.SIGINT, signal.SIGTERM), self._forward)
+
+
+class _Handlers:
+    """`handler` for `signums` while the block runs (main thread only), the old ones after."""
+
+    def __init__(self, signums: Sequence[int], handler: Callable[[int, object], None]) -> None:
+        self.signums, self.handler = signums, handler
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self.handler) for s in self.signums}
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def follow_parent() -> None:
+    """In a worker the launcher started: receive SIGTERM when the launcher dies, so a killed
+    launcher leaves no worker behind (each frees its trial on SIGTERM)."""
+    parent = os.environ.get(PARENT_VARIABLE)
+    if not parent or not parent.isdigit():
+        return
+    try:
+        ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def launch(count: int | None, worker_command: Sequence[str], create_command: Sequence[str],
+           *, restarts: int) -> int:
+    """Create the study once, then run `count` workers (one per GPU where None) to their end:
+    the worst exit code. Raises LaunchError for a count this host cannot run."""
+    from hpo.hardware import visible_gpus  # torch: only once the command line is sound
+
+    specs = plan(count, visible_gpus(), cores(), os.environ)
+    launcher = Launcher(worker_command, restarts=restarts)
+    # The study's creation and check run alone, on the first worker's GPU and every core.
+    alone = {k: v for k, v in specs[0].env.items() if k not in THREAD_VARIABLES}
+    code = launcher.run_once(WorkerSpec("create", alone, specs[0].place), create_command)
+    if code != 0 or launcher.stopping is not None:
+        return code
+    launcher.say(f"starting {len(specs)} worker(s); each line is prefixed with its worker")
+    return launcher.supervise(specs)

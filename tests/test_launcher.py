@@ -1,0 +1,314 @@
+"""`hpo run --workers`: the workers planned per host, the launcher's supervision (prefixed
+lines, restarts, the worst code, signals passed on) with stand-in children, and real
+workers on the demo's tiny models."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from conftest import REPO
+from optuna.trial import TrialState
+
+from hpo import hardware
+from hpo.cli import _worker_command, build_parser, main
+from hpo.launcher import (
+    Launcher,
+    LaunchError,
+    WorkerSpec,
+    exit_code,
+    plan,
+    worst,
+)
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def test_gpus_gives_each_worker_its_own_device_and_a_share_of_the_cores():
+    specs = plan(None, ["0", "1", "2", "3"], cores=16, environ={})
+    assert [s.name for s in specs] == ["w0", "w1", "w2", "w3"]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "1", "2", "3"]
+    assert {s.env["OMP_NUM_THREADS"] for s in specs} == {"4"}
+    assert specs[2].place == "GPU 2 (CUDA_VISIBLE_DEVICES=2), 4 of 16 cores"
+
+
+def test_a_count_takes_the_first_gpus_and_keeps_their_names():
+    specs = plan(2, ["GPU-aa", "GPU-bb", "GPU-cc"], cores=8, environ={})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["GPU-aa", "GPU-bb"]
+
+
+def test_more_workers_than_gpus_is_refused():
+    with pytest.raises(LaunchError, match=r"--workers 5: this host shows 4 GPU\(s\)"):
+        plan(5, ["0", "1", "2", "3"], cores=8, environ={})
+
+
+def test_gpus_without_a_gpu_says_how_to_run_cpu_workers():
+    with pytest.raises(LaunchError, match="no GPU is visible.*--workers 2"):
+        plan(None, [], cores=2, environ={})
+
+
+def test_cpu_workers_divide_the_cores_unless_the_user_set_the_threads():
+    specs = plan(3, [], cores=2, environ={})
+    assert [dict(s.env) for s in specs] == [{"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}] * 3
+    assert specs[0].place == "1 of 2 cores"
+    kept = plan(2, [], cores=8, environ={"OMP_NUM_THREADS": "3"})
+    assert dict(kept[0].env) == {"MKL_NUM_THREADS": "4"}
+
+
+def test_the_worst_code_ranks_errors_over_signals_over_done():
+    assert worst([0, 0]) == 0
+    assert worst([0, 130]) == 130
+    assert worst([130, 143]) == 143
+    assert worst([143, 2, 130]) == 2
+    assert worst([2, 1]) == 1
+    assert worst([0, exit_code(-signal.SIGKILL)]) == 137
+    assert worst([]) == 0
+
+
+def test_the_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert hardware.visible_gpus() == ["3", "5"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert hardware.visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("HPO_FAULT_GPUS", "4")
+    assert hardware.visible_gpus() == ["0", "1", "2", "3"]
+
+
+def test_a_worker_runs_the_same_study_budget_and_overrides_without_workers():
+    args = build_parser().parse_args([
+        "--debug", "run", "--study", "demo", "--storage", "sqlite:///x.db", "--n-trials", "4",
+        "--timeout", "60", "--workers", "2", "--restarts", "1", "--set", "training.epochs=1",
+        "--skip-check"])
+    assert _worker_command(args, "run")[1:] == [
+        "-m", "hpo.cli", "run", "--study", "demo", "--storage", "sqlite:///x.db",
+        "--set", "training.epochs=1", "--skip-check", "--debug", "--n-trials", "4",
+        "--timeout", "60.0"]
+    assert _worker_command(args, "create")[3:] == [
+        "create", "--study", "demo", "--storage", "sqlite:///x.db", "--set",
+        "training.epochs=1", "--skip-check", "--debug"]
+
+
+def test_bad_worker_counts_are_one_line_errors(capsys):
+    for value, message in (("0", "expected a number of workers (1 or more) or 'gpus', got 0"),
+                           ("abc", "expected a number of workers or 'gpus', got 'abc'")):
+        assert main(["run", "--study", "demo", "--n-trials", "2", "--workers", value]) == 2
+        assert capsys.readouterr().err == f"hpo: error: run: argument --workers: {message}\n"
+
+
+def test_gpus_on_a_host_without_one_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["run", "--study", "demo", "--n-trials", "2", "--workers", "gpus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no GPU is visible" in err and "--workers 2" in err
+
+
+# Stand-in workers: each line says who printed it, and ROLE decides how it ends.
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    role, marks = os.environ["ROLE"], os.environ["MARKS"]
+    with open(marks, "a") as f:
+        f.write(role + "\\n")
+    print(f"hello from {role}", flush=True)
+    print(f"note from {role}", file=sys.stderr, flush=True)
+    if role == "fail":
+        sys.exit(1)
+    if role == "bad":
+        sys.exit(2)
+    if role == "dies-once" and open(marks).read().count(role) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if role == "waits":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+        print("waiting", flush=True)
+        time.sleep(60)
+""")
+
+
+def spec(name: str, role: str, marks) -> WorkerSpec:
+    return WorkerSpec(name, {"ROLE": role, "MARKS": str(marks)}, f"as {role}")
+
+
+def launched(*roles: str, restarts: int, tmp_path) -> tuple[int, str, str, Counter]:
+    out, err = io.StringIO(), io.StringIO()
+    marks = tmp_path / "marks"
+    launcher = Launcher([sys.executable, "-c", CHILD], restarts=restarts, out=out, err=err)
+    code = launcher.supervise([spec(f"w{i}", role, marks) for i, role in enumerate(roles)])
+    return code, out.getvalue(), err.getvalue(), Counter(marks.read_text().split())
+
+
+def test_lines_are_prefixed_by_worker_and_stream(tmp_path):
+    code, out, err, _ = launched("ok", "ok", restarts=0, tmp_path=tmp_path)
+    assert code == 0
+    assert "[w0] hello from ok" in out.splitlines() and "[w1] hello from ok" in out.splitlines()
+    assert re.search(r"^\[w1\] started: pid \d+, as ok$", out, re.M)
+    assert sorted(err.splitlines()) == ["[w0] note from ok", "[w1] note from ok"]
+
+
+def test_a_dead_worker_is_restarted(tmp_path):
+    code, out, _, starts = launched("ok", "dies-once", restarts=1, tmp_path=tmp_path)
+    assert code == 0 and starts == {"ok": 1, "dies-once": 2}
+    assert re.search(r"^\[w1\] exited with code 137; restarted \(1 of 1\): pid \d+", out, re.M)
+
+
+def test_restarts_are_bounded_and_the_worst_code_is_returned(tmp_path):
+    code, out, _, starts = launched("ok", "fail", restarts=2, tmp_path=tmp_path)
+    assert code == 1 and starts == {"ok": 1, "fail": 3}
+    assert "[w1] exited with code 1; not restarted: it has been restarted 2 time(s)" in out
+
+
+def test_bad_input_is_not_restarted(tmp_path):
+    code, _, _, starts = launched("bad", "ok", restarts=3, tmp_path=tmp_path)
+    assert code == 2 and starts == {"bad": 1, "ok": 1}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_reaches_every_worker_once_and_none_is_restarted(tmp_path, signum):
+    marks = tmp_path / "marks"
+    script = textwrap.dedent(f"""
+        import sys
+        from hpo.launcher import Launcher, WorkerSpec
+        child = {CHILD!r}
+        specs = [WorkerSpec(f"w{{i}}", {{"ROLE": "waits", "MARKS": {str(marks)!r}}}, "here")
+                 for i in range(2)]
+        sys.exit(Launcher([sys.executable, "-c", child], restarts=3).supervise(specs))
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    for line in parent.stdout:
+        seen.append(line)
+        if sum("waiting" in s for s in seen) == 2:
+            break
+    parent.send_signal(signum)
+    rest, _ = parent.communicate(timeout=30)
+    assert parent.returncode == 128 + signum
+    assert f"{signal.Signals(signum).name}: stopping every worker" in rest
+    assert "restarted" not in rest
+    assert marks.read_text().split() == ["waits", "waits"]
+
+
+# Real workers on the tiny models.
+
+def start_launcher(study_file, storage: str, n: int, *extra: str, env: dict | None = None):
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpo.cli", "run", "--config", str(study_file), "--storage",
+         storage, "--n-trials", str(n), *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def read_until(process: subprocess.Popen, pattern: str, lines: list[str]) -> re.Match:
+    for line in process.stdout:
+        lines.append(line)
+        found = re.search(pattern, line)
+        if found:
+            return found
+    raise AssertionError(f"no line matched {pattern!r}:\n{''.join(lines)[-3000:]}")
+
+
+def wait_for(condition, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.3)
+
+
+def running_on(storage: optuna.storages.RDBStorage, pid: int) -> bool:
+    try:
+        study = optuna.load_study(study_name="tiny", storage=storage)
+    except KeyError:
+        return False
+    return any(t.user_attrs.get("worker", "").endswith(f":{pid}")
+               for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+
+@pytest.mark.slow
+def test_two_workers_keep_the_budget_exact_and_a_killed_one_is_restarted_and_retried(
+        one_model_study, pg_url):
+    storage = optuna.storages.RDBStorage(pg_url)
+    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
+    parent = start_launcher(one_model_study, pg_url, 6, "--workers", "2",
+                            "--set", "training.epochs=4", env=env)
+    lines: list[str] = []
+    try:
+        victim = int(read_until(parent, r"^\[w1\] started: pid (\d+)", lines)[1])
+        wait_for(lambda: running_on(storage, victim) or parent.poll() is not None)
+        os.kill(victim, signal.SIGKILL)
+        out, err = parent.communicate(timeout=600)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    out = "".join(lines) + out
+    assert parent.returncode == 0, err[-3000:]
+    assert re.search(r"^\[w1\] exited with code 137; restarted \(1 of 3\)", out, re.M), out
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    counts = Counter(t.state for t in study.trials)
+    assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 6
+    assert counts[TrialState.RUNNING] == counts[TrialState.WAITING] == 0
+    killed = [t for t in study.trials if t.state == TrialState.FAIL]
+    assert len(killed) == 1 and killed[0].user_attrs["worker"].endswith(f":{victim}")
+    retry = [t for t in study.trials if t.user_attrs.get("retry_of") == killed[0].number]
+    assert len(retry) == 1 and retry[0].state in FINISHED
+    assert {t.user_attrs["worker"] for t in study.trials} - {killed[0].user_attrs["worker"]}
+    storage.engine.dispose()
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_launcher_frees_every_running_trial(one_model_study, storage):
+    rdb = optuna.storages.RDBStorage(storage)
+    parent = start_launcher(one_model_study, storage, 50, "--workers", "2",
+                            "--set", "training.epochs=50")
+    lines: list[str] = []
+    try:
+        pids = [int(read_until(parent, rf"^\[w{i}\] started: pid (\d+)", lines)[1])
+                for i in range(2)]
+        wait_for(lambda: all(running_on(rdb, pid) for pid in pids) or parent.poll() is not None)
+        parent.send_signal(signal.SIGINT)
+        out, err = parent.communicate(timeout=120)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert parent.returncode == 130, err[-3000:]
+    assert "SIGINT: stopping every worker" in out
+    states = Counter(t.state for t in optuna.load_study(study_name="tiny", storage=rdb).trials)
+    assert states[TrialState.RUNNING] == 0 and states[TrialState.FAIL] == 2
+    assert states[TrialState.WAITING] == 2  # both re-queued for a retry
+    rdb.engine.dispose()
+
+
+@pytest.mark.slow
+def test_four_mocked_gpus_get_four_workers_each_pinned_to_its_own(one_model_study, storage):
+    parent = start_launcher(one_model_study, storage, 4, "--workers", "gpus",
+                            env={"HPO_FAULT_GPUS": "4"})
+    lines: list[str] = []
+    pinned = {}
+    try:
+        for index in range(4):
+            pid = int(read_until(parent, rf"^\[w{index}\] started: pid (\d+), GPU {index} "
+                                         rf"\(CUDA_VISIBLE_DEVICES={index}\)", lines)[1])
+            # The child's own environment, as the kernel holds it.
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            pinned[index] = [v for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES=")]
+        out, err = parent.communicate(timeout=600)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert parent.returncode == 0, err[-3000:]
+    assert pinned == {i: [f"CUDA_VISIBLE_DEVICES={i}".encode()] for i in range(4)}
+    states = Counter(t.state for t in optuna.load_study(study_name="tiny", storage=storage).trials)
+    assert states[TrialState.COMPLETE] + states[TrialState.PRUNED] == 4
