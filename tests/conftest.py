@@ -12,7 +12,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -23,6 +22,7 @@ import optuna
 import psutil
 import pytest
 import yaml
+from postgres import free_port  # noqa: F401  (one home; tests import it from here)
 
 from hpo.hardware import Device
 
@@ -64,12 +64,6 @@ def require_command(name: str, package: str) -> str:
     path = shutil.which(name)
     require(path is not None, f"`{name}` is not installed: apt-get install -y {package}")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rendered_text(url: str, profile) -> str:
@@ -278,6 +272,25 @@ def run_in_process(study_file: Path, storage: str, n: int, *extra: str) -> int:
 
     return main(["run", "--config", str(study_file), "--storage", storage,
                  "--n-trials", str(n), *extra])
+
+
+class Quiet:
+    """A worker loop's reporter that keeps its messages instead of printing them."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+    def trial_finished(self, trial, outcome) -> None: ...
+
+    def interrupted(self, text: str) -> None:
+        self.messages.append(text)
+
+
+def load(storage: str, name: str = "tiny") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=storage)
 
 
 def freeze_counts(monkeypatch, owner, name: str) -> list[int]:

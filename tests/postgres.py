@@ -109,7 +109,7 @@ def postgres_bin_dir() -> Path | None:
     return Path(on_path).parent if on_path else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -198,7 +198,7 @@ class PrivateServer:
         self.root = Path(tempfile.mkdtemp(prefix="hpo-pg-"))
         if os.geteuid() == 0:
             shutil.chown(self.root, user="postgres", group="postgres")
-        self.port = _free_port()
+        self.port = free_port()
         settings = ["-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-locale", "--no-sync"]
         self._run("initdb", "-D", str(self.data_dir), *settings)
         self._pg_ctl_start()

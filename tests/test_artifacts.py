@@ -8,7 +8,7 @@ import zipfile
 import optuna
 import pytest
 import yaml
-from conftest import study_dict
+from conftest import run_in_process, study_dict
 from optuna.trial import TrialState
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -34,8 +34,7 @@ def study_file(tmp_path, tiny_model, small_data):
 
 
 def run(study_file, storage, n, *extra) -> int:
-    return main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", str(n),
-                 "--set", "study.sampler.name=random", *extra])
+    return run_in_process(study_file, storage, n, "--set", "study.sampler.name=random", *extra)
 
 
 def validation_score(model_dir, study_file) -> float:

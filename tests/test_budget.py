@@ -7,7 +7,7 @@ import time
 import optuna
 import pytest
 import sqlalchemy
-from conftest import start_worker, trial_states
+from conftest import Quiet, start_worker, trial_states
 from optuna.trial import TrialState
 
 from hpo import budget
@@ -48,14 +48,6 @@ def test_a_worker_claims_only_below_the_budget(counts, claims):
     assert budget.may_claim(counts, 3) is claims
 
 
-class Silent:
-    def message(self, text: str) -> None: ...
-
-    def trial_finished(self, trial, outcome) -> None: ...
-
-    def interrupted(self, text: str) -> None: ...
-
-
 def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
     """Issue 30: with more sets enqueued than the budget, every worker took one while any
     waited, so three workers finished 4 trials for a budget of 2."""
@@ -78,7 +70,7 @@ def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
         storage = open_storage(pg_url)
         try:
             run_worker(optuna.load_study(study_name="q", storage=storage), storage, slow,
-                       Silent(), n_trials=2, poll_seconds=0.1)
+                       Quiet(), n_trials=2, poll_seconds=0.1)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:

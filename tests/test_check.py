@@ -23,11 +23,6 @@ from hpo.resources import load_resources
 from hpo.space import PinnedSpace
 
 
-@pytest.fixture
-def storage(tmp_path) -> str:
-    return f"sqlite:///{tmp_path / 'hpo.db'}"
-
-
 def verdicts(storage: str) -> list[check.Verdict]:
     return check.stored(optuna.load_study(study_name="tiny", storage=storage), detect("cpu"))
 

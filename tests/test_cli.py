@@ -9,7 +9,8 @@ import sys
 import optuna
 import pytest
 import yaml
-from conftest import REPO, require
+from conftest import REPO, load, require
+from conftest import run_in_process as run
 from optuna.trial import TrialState
 
 from hpo.cli import COMMANDS, build_parser, main
@@ -20,20 +21,6 @@ ATTRS = {
     "device", "samples_per_second", "padding_efficiency", "train_seconds", "trial_seconds",
     "versions", "worker", "epoch_seconds", "train_flops", "flops_per_second",
 }
-
-
-def run(study_file, storage, n, *extra) -> int:
-    return main(["run", "--config", str(study_file), "--storage", storage,
-                 "--n-trials", str(n), *extra])
-
-
-def load(storage: str) -> optuna.Study:
-    return optuna.load_study(study_name="tiny", storage=storage)
-
-
-@pytest.fixture
-def storage(tmp_path) -> str:
-    return f"sqlite:///{tmp_path / 'hpo.db'}"
 
 
 def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):

@@ -12,17 +12,12 @@ import optuna
 import psutil
 import pytest
 from conftest import REPO
+from conftest import run_in_process as run
 from optuna.trial import TrialState
 
 from hpo import isolation
-from hpo.cli import main
 from hpo.executor import outcome_of
 from hpo.outcome import ChildDied
-
-
-def run(study_file, storage, n, *extra) -> int:
-    return main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", str(n),
-                 *extra])
 
 
 def test_child_process_trials_match_in_process_ones(tiny_study, tmp_path):

@@ -1,19 +1,13 @@
 """What a worker process keeps across trials: every model read and tokenized once, before
 the first trial, and tokenized splits shared through the machine's disk cache."""
 
-import optuna
 
-from hpo.cli import main
+from conftest import load, run_in_process
 
 
 def run(study_file, storage, n) -> int:
     # --verbose: where each model's tokens came from is said only then.
-    return main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", str(n),
-                 "--verbose"])
-
-
-def load(storage: str) -> optuna.Study:
-    return optuna.load_study(study_name="tiny", storage=storage)
+    return run_in_process(study_file, storage, n, "--verbose")
 
 
 def test_tokenization_is_done_once_per_machine(tiny_study, tmp_path, token_cache_dir, capsys):

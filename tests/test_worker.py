@@ -9,7 +9,7 @@ from collections import Counter
 
 import optuna
 import pytest
-from conftest import freeze_counts, start_worker, trial_states
+from conftest import Quiet, freeze_counts, start_worker, trial_states
 from optuna.trial import TrialState
 
 from hpo import worker
@@ -22,19 +22,6 @@ from hpo.study import make_sampler
 from hpo.worker import WorkerStopped, below_baseline_warning, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-class Quiet:
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-
-    def message(self, text: str) -> None:
-        self.messages.append(text)
-
-    def trial_finished(self, trial, outcome) -> None: ...
-
-    def interrupted(self, text: str) -> None:
-        self.messages.append(text)
 
 
 def ending_in(state: TrialState):
