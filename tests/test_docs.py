@@ -81,3 +81,18 @@ def test_the_documentation_site_builds_strictly(tmp_path):
     assert (tmp_path / "site" / "benchmarks" / "index.html").is_file()
     assert (tmp_path / "site" / "study-files" / "index.html").is_file()
     assert not Path(REPO / "site").exists()
+
+
+def test_the_layout_table_names_the_layers_the_contract_enforces():
+    import tomllib
+
+    contract = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = [{name.strip() for name in layer.split(":")}
+              for layer in contract["contracts"][0]["layers"]]
+    rows = re.findall(r"^\| [a-z ]+ \| (.+?) \| [^|]+ \|$",
+                      (REPO / "docs" / "testing.md").read_text(), re.M)
+    # Each module is named in backticks; what a parenthesis says of it is not a module.
+    written = [{name.rstrip("/") for name in re.findall(r"`([a-z_/]+)`",
+                                                        re.sub(r"\([^)]*\)", "", row))}
+               for row in rows if "`" in row]
+    assert written == layers
