@@ -39,9 +39,9 @@ TIMED_STEPS = 3
 # With more than one precision for `auto` to choose from, each combination is timed in this
 # many rounds, taken in turn (every other round in reverse order), and keeps its fastest:
 # `auto` keeps a precision by how its step time compares with another's, and a burst of load
-# on a shared host during one combination's few steps once dropped the faster precision (bf16
-# timed slower than fp32 on the AVX512-BF16 EPYC, where its step is 1.5x faster). Load only
-# ever slows a step, so the fastest round is the truest.
+# on a shared host during one combination's few steps once dropped the faster precision
+# (benchmarks/README.md, the overhead section). Load only ever slows a step, so the fastest
+# round is the truest.
 ROUNDS = 3
 
 

@@ -71,10 +71,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def long_lived_frozen() -> Iterator[None]:
     """Within the block, every object alive at its start (imported modules, tokenizers,
     preloaded weights and tokens: what a worker holds for its whole life) is out of the
-    garbage collector's sight. A full collection walks every tracked object: 0.17 s on a
-    worker holding two models, paid at each `release_memory` and at each of the full
-    collections Python starts on its own during training (26 in a 4-trial demo run, 4.5 s
-    in all); in the block, collections walk only what trials create. At its end the
+    garbage collector's sight. A full collection walks every tracked object, a cost paid at
+    each `release_memory` and at each of the full collections Python starts on its own
+    during training (benchmarks/README.md measures both); in the block, collections walk
+    only what trials create. At its end the
     collector gets them all back (Python unfreezes every frozen object at once), so a
     process that goes on after its worker (a notebook, a test run) collects them again:
     objects frozen in a reference cycle, such as a storage and its pooled connections,
