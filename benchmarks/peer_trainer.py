@@ -121,9 +121,13 @@ class Setup:
             seed=seed, n_startup_trials=self.config.study.sampler.n_startup_trials)
 
     def pruner(self) -> optuna.pruners.MedianPruner:
-        pruner = self.config.study.pruner
-        return optuna.pruners.MedianPruner(n_startup_trials=pruner.n_startup_trials,
-                                           n_warmup_steps=pruner.n_warmup_steps)
+        return optuna.pruners.MedianPruner(n_startup_trials=MEDIAN_STARTUP,
+                                           n_warmup_steps=MEDIAN_WARMUP)
+
+
+# The median pruner a user's glue runs: the demo study's settings before hpo's default became
+# successive halving (issue 43), kept so that every peer run stays comparable.
+MEDIAN_STARTUP, MEDIAN_WARMUP = 4, 1
 
 
 def quiet_libraries() -> None:

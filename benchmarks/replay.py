@@ -23,8 +23,9 @@ does.
 
 Costs: each epoch costs its recorded seconds; a trial's set-up (model load and the like)
 its recorded seconds, plus the tokenization where its worker has not tokenized that model
-yet, plus the batch search where the study has no batch limit cached for its model,
-precision and batch bound (hpo's cache). The peers' trials cost the table's seconds times
+yet, plus the batch search where the study has no batch limit cached for its model and
+precision (hpo's cache: a model's first search reaches the physical limit, and costs the
+table's search at that bound). The peers' trials cost the table's seconds times
 their measured slowdown against hpo on the table's CPU kind, per model, and every worker
 starts after its tool's measured start-up (both from benchmarks/search_quality.json). Not
 simulated: the samplers' own seconds (below 0.1 s per trial, against 10-60 s trials).
@@ -52,6 +53,7 @@ from typing import Any, Protocol
 import optuna
 import yaml
 from optuna.trial import TrialState
+from peer_trainer import MEDIAN_STARTUP, MEDIAN_WARMUP
 from search_quality import variant
 
 from hpo import config as config_module
@@ -425,7 +427,8 @@ def simulate(policy: Policy, curves: Curves, world: int, budget: int, workers: i
         if c.model not in tokenized[worker]:
             tokenized[worker].add(c.model)
             setup += curves.costs.tokenization.get(c.model, 0.0)
-        bound = (c.model, c.precision, min(c.batch, curves.max_physical))
+        # hpo's first search per model and precision probes up to the physical limit.
+        bound = (c.model, c.precision, curves.max_physical)
         if searches_batches and bound not in searched:
             searched.add(bound)
             setup += curves.costs.batch_search.get(bound, 0.0)
@@ -535,7 +538,7 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
     space = study.search_space
     fastest = min(curves.precisions, key=lambda p: sum(
         curves.seconds_per_epoch(m, p) for m in curves.models))
-    pruner, sampler = study.study.pruner, study.study.sampler
+    sampler = study.study.sampler
     epochs = study.training.epochs
     slow = {tool: {m: facts.slowdowns.get(tool, {}).get(short(m), 1.0) for m in curves.models}
             for tool in ("novice", "expert", "ray")}
@@ -565,7 +568,7 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
 
     def glue(name: str, sampler: optuna.samplers.BaseSampler, precision: str,
              **how: Any) -> tuple[Policy, bool]:
-        study = study_of(sampler, median(pruner.n_startup_trials, pruner.n_warmup_steps))
+        study = study_of(sampler, median(MEDIAN_STARTUP, MEDIAN_WARMUP))
         return OptunaPolicy(name, study, plain_sample(space, precision), epochs,
                             facts.startup.get(name, 0.0), slow[name], facts.gaps.get(name, 0.0),
                             report_value=last, tell_value=last, **how), False

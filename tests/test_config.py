@@ -200,6 +200,16 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
                               "study.pruner.min_resource=2"]).max_steps() == 3
 
 
+def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mistake(
+        tmp_path):
+    data = study_dict(["m"], tmp_path)
+    del data["study"]["pruner"]
+    path = write(tmp_path, data)
+    loaded = config.load(path, ["training.epochs=1"])
+    assert loaded.study.pruner.name == "successive_halving"
+    assert config.load(path, ["training.epochs=2"]).study.pruner.min_resource == 1
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["search_space.lora_r=[4]"], "lora_r is searched, but peft has no lora or dora"),
     (["search_space.peft=[lora]", "search_space.lora_alpha=[8]",

@@ -139,6 +139,16 @@ def test_one_worker_runs_trials_back_to_back_paying_first_costs_once(curves):
     assert replay.wall(trials, 3) == 87.0
 
 
+def test_a_models_first_batch_search_covers_every_later_batch(curves):
+    """As hpo does: the first search of a model and precision probes up to the physical
+    limit, so a later trial at another effective batch pays no search."""
+    policy = Scripted([config(TINY, batch=8), config(TINY, batch=32)])
+    trials = replay.simulate(policy, curves, 0, budget=2, workers=1, epochs=4,
+                             searches_batches=True)
+    # start-up 1; 2 + 5 + 3 + 4 x 1 = 14; then 2 + 4 x 1 = 6, no search
+    assert [(t.start, t.end) for t in trials] == [(1.0, 15.0), (15.0, 21.0)]
+
+
 def test_asks_see_exactly_the_reports_made_before_them(curves):
     policy = Scripted([config(TINY), config(MINILM), config(TINY), config(TINY)])
     trials = replay.simulate(policy, curves, 0, budget=4, workers=2, epochs=4)
@@ -175,7 +185,7 @@ def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(c
 
     study = config_module.load(config_module.study_path("demo"), ["training.epochs=4"])
     policy = replay.hpo_policy(study, curves, seed=3)
-    assert isinstance(policy.study.pruner, optuna.pruners.MedianPruner)
+    assert isinstance(policy.study.pruner, optuna.pruners.SuccessiveHalvingPruner)
     assert isinstance(policy.study.sampler, optuna.samplers.TPESampler)
     trials = replay.simulate(policy, curves, 0, budget=8, workers=2, epochs=4,
                              searches_batches=True)
