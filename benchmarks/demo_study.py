@@ -125,6 +125,11 @@ def main() -> None:
     median = statistics.median(1 - a["train_seconds"] / a["trial_seconds"] for a in complete)
     print(f"- per-trial overhead 1 - train_seconds / trial_seconds: median over COMPLETE "
           f"trials **{median:.1%}**, over all trials' time {1 - total_train / total_trial:.1%}")
+    probes = [t.user_attrs.get("batch_probes", 0) for t in trials]
+    searched = sum(t.user_attrs.get("batch_search_seconds", 0.0) for t in trials)
+    print(f"- batch probes: {sum(probes)} over {len(trials)} trials, in "
+          f"{sum(p > 0 for p in probes)} searches ({searched:.1f} s); per trial "
+          f"{' '.join(map(str, probes))}")
     first = min(t.datetime_start.timestamp() for t in trials)
     print(f"- before the first trial (imports, data, models loaded, the check): "
           f"{first - started_at:.1f} s\n")
