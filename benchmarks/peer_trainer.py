@@ -39,6 +39,7 @@ from typing import Any
 import optuna
 import torch
 import transformers
+from search_quality import MEDIAN_STARTUP, MEDIAN_WARMUP
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -124,10 +125,6 @@ class Setup:
         return optuna.pruners.MedianPruner(n_startup_trials=MEDIAN_STARTUP,
                                            n_warmup_steps=MEDIAN_WARMUP)
 
-
-# The median pruner a user's glue runs: the demo study's settings before hpo's default became
-# successive halving (issue 43), kept so that every peer run stays comparable.
-MEDIAN_STARTUP, MEDIAN_WARMUP = 4, 1
 
 
 def quiet_libraries() -> None:

@@ -53,8 +53,7 @@ from typing import Any, Protocol
 import optuna
 import yaml
 from optuna.trial import TrialState
-from peer_trainer import MEDIAN_STARTUP, MEDIAN_WARMUP
-from search_quality import variant
+from search_quality import MEDIAN_STARTUP, MEDIAN_WARMUP, variant
 
 from hpo import config as config_module
 from hpo.space import PinnedSpace, by_cost, declare, suggest

@@ -50,6 +50,11 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+# The median pruner the peers' glue runs (peer_trainer.py, replay.py): the demo study's
+# settings before hpo's default became successive halving (issue 43), kept so that every peer
+# run stays comparable.
+MEDIAN_STARTUP, MEDIAN_WARMUP = 4, 1
+
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
