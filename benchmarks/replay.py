@@ -24,8 +24,8 @@ does.
 Costs: each epoch costs its recorded seconds; a trial's set-up (model load and the like)
 its recorded seconds, plus the tokenization where its worker has not tokenized that model
 yet, plus the batch search where the study has no batch limit cached for its model and
-precision (hpo's cache: a model's first search reaches the physical limit, and costs the
-table's search at that bound). The peers' trials cost the table's seconds times
+precision (hpo's cache as on a GPU, where a model's first search reaches the physical limit;
+it costs the table's search at that bound). The peers' trials cost the table's seconds times
 their measured slowdown against hpo on the table's CPU kind, per model, and every worker
 starts after its tool's measured start-up (both from benchmarks/search_quality.json). Not
 simulated: the samplers' own seconds (below 0.1 s per trial, against 10-60 s trials).

@@ -231,3 +231,15 @@ def test_a_trials_device_memory_is_read_on_cuda_and_nowhere_else(monkeypatch):
     assert counts["resets"] == 2
     assert memory.after_trial(gpu, mark).to_attrs() == {
         "memory_before_mib": 512.0, "peak_memory_mib": 3072.0, "memory_after_mib": 512.0}
+
+
+def test_a_gpu_searches_to_the_physical_limit_and_a_cpu_to_the_trials_batch():
+    """On a GPU a model and precision is searched once, to the limit, so a later trial at a
+    larger effective batch probes nothing; on a CPU each probe above what fits would meet the
+    OOM killer, so the search stops at the trial's own batch."""
+    from conftest import CPU_AVX2, H100
+
+    assert memory.search_bound(H100, target=8, max_physical=256) == 256
+    assert memory.search_bound(H100, target=512, max_physical=256) == 256
+    assert memory.search_bound(CPU_AVX2, target=8, max_physical=256) == 8
+    assert memory.search_bound(CPU_AVX2, target=512, max_physical=256) == 256

@@ -145,6 +145,17 @@ class MemoryProbe:
     peak: Callable[[], int]
 
 
+def search_bound(device: Device, target: int, max_physical: int) -> int:
+    """The largest batch a model's search probes. On a GPU, the physical limit: running out
+    of its memory is an exception the search catches, so a model and precision is searched
+    once and a later trial at a larger effective batch probes nothing. On a CPU, the trial's
+    own batch: the host's only out-of-memory signal is the OOM killer, and every probe above
+    what fits costs a trial (and, without `training.isolate_trials`, the worker)."""
+    if device.type == "cuda":
+        return max_physical
+    return min(target, max_physical)
+
+
 def device_memory_probe(device: Device) -> MemoryProbe | None:
     """A CUDA device's allocator reports peaks; 5% of its memory is left to the allocator's
     own fragmentation and the CUDA context."""

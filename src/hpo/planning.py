@@ -109,10 +109,10 @@ def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: 
     build = functools.partial(adapters.build, resources.models, params.model_name, num_labels,
                               training, params.fp_precision)
     probe_length = min(config.data.max_length, tokenizer.model_max_length)
-    # The search reaches the physical limit, not this trial's batch: a model and precision
-    # is searched once, and a later trial at a larger effective batch probes nothing.
-    limit, probes = _find_batch(build, base, device, key, training.max_physical_batch_size,
-                                cache, probe_length, watch)
+    searched_to = memory.search_bound(device, params.target_effective_batch_size,
+                                      training.max_physical_batch_size)
+    limit, probes = _find_batch(build, base, device, key, searched_to, cache, probe_length,
+                                watch)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
     plan = replace(
         base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
