@@ -80,26 +80,36 @@ def test_status_shows_running_trials_as_a_table(tiny_study, tmp_path, capsys):
     assert [t["params"]["learning_rate"] for t in running] == [0.000123456789, 3e-5]
 
 
-def test_status_shows_device_seconds_per_model_and_precision_and_the_wasted_share(
-        tiny_study, tmp_path, capsys):
+def finished_study(storage: str, trials: list[tuple[str, str, object, dict]]) -> optuna.Study:
+    """A study of trials over models a, b and precisions bf16, none: each (model, precision,
+    state, user attributes), valued 0.5 when COMPLETE."""
     from optuna.distributions import CategoricalDistribution
     from optuna.trial import TrialState, create_trial
+
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
+    distributions = {"model_name": CategoricalDistribution(["a", "b"]),
+                     "fp_precision": CategoricalDistribution(["bf16", "none"])}
+    for model, precision, state, attrs in trials:
+        study.add_trial(create_trial(
+            state=state, value=0.5 if state == TrialState.COMPLETE else None,
+            params={"model_name": model, "fp_precision": precision},
+            distributions=distributions, user_attrs=attrs))
+    return study
+
+
+def test_status_shows_device_seconds_per_model_and_precision_and_the_wasted_share(
+        tiny_study, tmp_path, capsys):
+    from optuna.trial import TrialState
 
     from hpo.summary import compute
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
-    models = CategoricalDistribution(["a", "b"])
-    precisions = CategoricalDistribution(["bf16", "none"])
-    for model, precision, state, seconds in [("a", "bf16", TrialState.COMPLETE, 60),
-                                             ("a", "bf16", TrialState.PRUNED, 20),
-                                             ("b", "none", TrialState.COMPLETE, 100),
-                                             ("b", "none", TrialState.FAIL, 20)]:
-        study.add_trial(create_trial(
-            state=state, value=0.5 if state == TrialState.COMPLETE else None,
-            params={"model_name": model, "fp_precision": precision},
-            distributions={"model_name": models, "fp_precision": precisions},
-            user_attrs={"trial_seconds": seconds}))
+    study = finished_study(storage, [
+        (model, precision, state, {"trial_seconds": seconds})
+        for model, precision, state, seconds in [("a", "bf16", TrialState.COMPLETE, 60),
+                                                 ("a", "bf16", TrialState.PRUNED, 20),
+                                                 ("b", "none", TrialState.COMPLETE, 100),
+                                                 ("b", "none", TrialState.FAIL, 20)]])
     spent = compute(study)
     assert spent["device_seconds"] == 200
     assert (spent["pruned_share"], spent["failed_share"]) == (0.1, 0.1)
@@ -118,26 +128,19 @@ def test_status_shows_device_seconds_per_model_and_precision_and_the_wasted_shar
 
 def test_status_shows_flops_per_second_and_mfu_over_each_rows_training_seconds(
         tiny_study, tmp_path, capsys):
-    from optuna.distributions import CategoricalDistribution
-    from optuna.trial import TrialState, create_trial
+    from optuna.trial import TrialState
 
     from hpo.summary import compute
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
-    models = CategoricalDistribution(["a", "b"])
-    precisions = CategoricalDistribution(["bf16", "none"])
     # a/bf16 on GPUs: 2 s at 30% of the peak, then 4 s at 10%; b/none on a CPU: no peak.
-    for model, precision, attrs in [
+    study = finished_study(storage, [
+        (model, precision, TrialState.COMPLETE, {"trial_seconds": 10, **attrs})
+        for model, precision, attrs in [
             ("a", "bf16", {"train_flops": 6e14, "flops_per_second": 3e14, "mfu": 0.3}),
             ("a", "bf16", {"train_flops": 4e14, "flops_per_second": 1e14, "mfu": 0.1}),
             ("b", "none", {"train_flops": 1e12, "flops_per_second": 5e10}),
-            ("b", "none", {})]:
-        study.add_trial(create_trial(
-            state=TrialState.COMPLETE, value=0.5,
-            params={"model_name": model, "fp_precision": precision},
-            distributions={"model_name": models, "fp_precision": precisions},
-            user_attrs={"trial_seconds": 10, **attrs}))
+            ("b", "none", {})]])
     rows = {r["model_name"]: r for r in compute(study)["by_model_precision"]}
     assert (rows["a"]["tflops_per_second"], rows["a"]["mfu"]) == (166.7, 0.1667)
     assert (rows["b"]["tflops_per_second"], rows["b"]["mfu"]) == (0.05, None)

@@ -13,6 +13,7 @@ worst code (`worst`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -20,8 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO
 
 # Set in each worker's environment: the worker follows the launcher's death (cli.main).
@@ -97,7 +98,6 @@ class _Child:
     spec: WorkerSpec
     process: subprocess.Popen[str]
     restarts: int = 0
-    readers: list[threading.Thread] = field(default_factory=list)
 
 
 class Launcher:
@@ -200,24 +200,18 @@ class Launcher:
             reader.join()
         self._readers.clear()
 
-    def _signals(self):
-        return _Handlers((signal.SIGINT, signal.SIGTERM), self._forward)
-
-
-class _Handlers:
-    """`handler` for `signums` while the block runs (main thread only), the old ones after."""
-
-    def __init__(self, signums: Sequence[int], handler: Callable[[int, object], None]) -> None:
-        self.signums, self.handler = signums, handler
-        self.previous: dict[int, object] = {}
-
-    def __enter__(self) -> None:
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """Ctrl-C and SIGTERM forwarded while the block runs (main thread only)."""
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handler) for s in self.signums}
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+            previous = {s: signal.signal(s, self._forward)
+                        for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def follow_parent() -> None:

@@ -3,8 +3,10 @@ rendering as a table, YAML or JSON."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -114,25 +116,32 @@ def _kind(trial: optuna.trial.FrozenTrial) -> str:
     return "interrupted" if interrupted(trial) else "failed"
 
 
-def _add_flops(row: dict[str, Any], attrs: dict[str, Any]) -> None:
-    flops, rate = attrs.get("train_flops"), attrs.get("flops_per_second")
-    if not flops or not rate:
-        return
-    seconds = flops / rate  # the trial's training-step seconds
-    row["_flops"] = row.get("_flops", 0.0) + flops
-    row["_seconds"] = row.get("_seconds", 0.0) + seconds
-    if attrs.get("mfu") is not None:
-        row["_mfu_seconds"] = row.get("_mfu_seconds", 0.0) + seconds
-        row["_mfu"] = row.get("_mfu", 0.0) + attrs["mfu"] * seconds
+@dataclass
+class _Rates:
+    """One row's training FLOPs and step seconds, and its MFU weighted by those seconds
+    (workers on different GPUs have different peaks)."""
 
+    flops: float = 0.0
+    seconds: float = 0.0
+    mfu_seconds: float = 0.0
+    weighted_mfu: float = 0.0
 
-def _rate_flops(row: dict[str, Any]) -> None:
-    """The row's training FLOP/s over all its trials' training steps, and its MFU weighted
-    by their seconds (workers on different GPUs have different peaks)."""
-    flops, seconds = row.pop("_flops", 0.0), row.pop("_seconds", 0.0)
-    mfu, mfu_seconds = row.pop("_mfu", 0.0), row.pop("_mfu_seconds", 0.0)
-    row["tflops_per_second"] = float(f"{flops / seconds / 1e12:.4g}") if seconds else None
-    row["mfu"] = round(mfu / mfu_seconds, 4) if mfu_seconds else None
+    def add(self, attrs: dict[str, Any]) -> None:
+        flops, rate = attrs.get("train_flops"), attrs.get("flops_per_second")
+        if not flops or not rate:
+            return
+        seconds = flops / rate  # the trial's training-step seconds
+        self.flops += flops
+        self.seconds += seconds
+        if attrs.get("mfu") is not None:
+            self.mfu_seconds += seconds
+            self.weighted_mfu += attrs["mfu"] * seconds
+
+    def figures(self) -> dict[str, float | None]:
+        return {"tflops_per_second": float(f"{self.flops / self.seconds / 1e12:.4g}")
+                if self.seconds else None,
+                "mfu": round(self.weighted_mfu / self.mfu_seconds, 4)
+                if self.mfu_seconds else None}
 
 
 def compute(study: optuna.Study) -> dict[str, Any]:
@@ -140,6 +149,7 @@ def compute(study: optuna.Study) -> dict[str, Any]:
     them spent on trials that were pruned, failed or interrupted: what the search's results
     cost."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
+    rates: dict[tuple[str, str], _Rates] = collections.defaultdict(_Rates)
     totals = {"complete": 0.0, "pruned": 0.0, "failed": 0.0, "interrupted": 0.0}
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     for trial in study.get_trials(deepcopy=False, states=states):
@@ -152,16 +162,16 @@ def compute(study: optuna.Study) -> dict[str, Any]:
                                     "interrupted_seconds": 0.0})
         row["trials"] += 1
         row["device_seconds"] += seconds
-        _add_flops(row, trial.user_attrs)
+        rates[key].add(trial.user_attrs)
         if kind != "complete":
             row[f"{kind}_seconds"] += seconds
         totals[kind] += seconds
     total = sum(totals.values())
-    for row in rows.values():
+    for key, row in rows.items():
         for name in ("device_seconds", "pruned_seconds", "failed_seconds",
                      "interrupted_seconds"):
             row[name] = round(row[name], 1)
-        _rate_flops(row)
+        row.update(rates[key].figures())
     return {
         "device_seconds": round(total, 1),
         **{f"{kind}_share": round(totals[kind] / total, 4) if total else 0.0

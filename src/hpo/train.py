@@ -76,9 +76,10 @@ class Progress:
     def count(self, mask: torch.Tensor, flops: ModelFlops) -> None:
         """A micro-batch's tokens and FLOPs, from its mask's host copy: on a GPU, reading
         the device copy would sync."""
-        self.real_tokens += int(mask.sum())
+        lengths = mask.sum(dim=1)
+        self.real_tokens += int(lengths.sum())
         self.padded_tokens += mask.numel()
-        self.model_flops += flops.sequences(mask.sum(dim=1))
+        self.model_flops += flops.sequences(lengths)
 
     @property
     def flops_per_second(self) -> float:
