@@ -9,9 +9,11 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import optuna
 import pytest
+import torch
 from conftest import A100, REPO, T4, freeze_counts
 from optuna.trial import TrialState
 
@@ -156,36 +158,87 @@ def _resources(study_file, storage: str, precisions: tuple[str, ...],
 
 @pytest.mark.parametrize(("precisions", "declared"), [
     (("bf16", "none"), "auto"), (("none",), "auto"), (("bf16", "none"), ["bf16", "none"])])
-def test_precisions_are_timed_in_rounds_in_turn_and_a_burst_of_load_does_not_decide(
+def test_precisions_are_timed_at_a_trials_batch_in_rounds_and_a_burst_does_not_decide(
         tiny_study, storage, monkeypatch, precisions, declared):
-    """A burst of load on a shared host during one combination's first steps once made bf16
-    look slower than fp32 where it is 1.5x faster, and `auto` dropped it. A burst is faked
-    here as a pause in the first round of bf16's steps on the first model. A pinned list
-    decides nothing by step times, so one round times it."""
+    """A burst of load on a shared host during one combination's steps once made bf16 look
+    slower than fp32 where it is 1.5x faster, and `auto` dropped it. A burst is faked here
+    as a pause in one round of bf16's steps on the first model. A pinned list decides
+    nothing by step times, so only the check's own steps time it."""
     resources = _resources(tiny_study, storage, precisions, declared)
-    calls: list[tuple[str, str]] = []
+    calls: list[tuple[str, str, int]] = []
     first_model = resources.pinned.declared["model_name"][0]
     real_step = check.probe_step
+    per_round = 1 + check.TIMED_STEPS  # an untimed step on a fresh model, then the timed
 
-    def step(model, plan, *args):
+    def step(model, plan, device, batch, *args):
         combination = (model.config.name_or_path, plan.precision)
-        calls.append(combination)
-        first_round = calls.count(combination) <= 1 + check.TIMED_STEPS
-        if combination == (first_model, "bf16") and first_round:
+        calls.append((*combination, batch))
+        in_second_round = 2 * per_round < sum(c[:2] == combination for c in calls) <= (
+            3 * per_round)
+        if combination == (first_model, "bf16") and in_second_round:
             time.sleep(0.5)
-        return real_step(model, plan, *args)
+        return real_step(model, plan, device, batch, *args)
 
     monkeypatch.setattr(check, "probe_step", step)
     verdicts = {(v.model, v.precision): v for v in check.check_all(resources, precisions)}
     assert all(v.usable for v in verdicts.values())
     in_rounds = declared == "auto" and len(precisions) > 1
-    rounds = check.ROUNDS if in_rounds else 1
-    # One round: the first (untimed) step and the timed ones; each later one a fresh model's
-    # untimed step and the timed ones again.
-    for combination in verdicts:
-        assert calls.count(combination) == rounds * (1 + check.TIMED_STEPS)
+    # The check's own steps at two sequences, then, to compare, ROUNDS more at the space's
+    # smallest effective batch (8: the memory these tiny models need is far below the
+    # host's free memory).
+    for combination, verdict in verdicts.items():
+        batches = [b for *c, b in calls if tuple(c) == combination]
+        assert batches[:per_round] == [check.BATCH] * per_round
+        assert batches[per_round:] == ([8] * check.ROUNDS * per_round if in_rounds else [])
+        assert verdict.step_batch == (8 if in_rounds else check.BATCH)
+        assert (verdict.step_spread is not None) == in_rounds
     if in_rounds:
-        assert verdicts[(first_model, "bf16")].step_seconds < 0.5
+        assert verdicts[(first_model, "bf16")].step_seconds < 0.5  # the median round's
         # In turn: the second round runs the combinations in reverse order.
-        per_round = 1 + check.TIMED_STEPS
-        assert calls[per_round * len(verdicts)] == list(verdicts)[-1]
+        second = calls[(1 + 1) * per_round * len(verdicts)]
+        assert second[:2] == list(verdicts)[-1]
+
+
+def test_a_trials_batch_is_timed_as_far_as_its_memory_is_sure():
+    # Unknown memory: the check's own batch; a target below it: the target.
+    assert check.timing_batch(16, 2, None, 1000.0) == 2
+    assert check.timing_batch(16, 2, 100.0, None) == 2
+    assert check.timing_batch(1, 2, 100.0, 1000.0) == 1
+    # 50 MiB a sequence, 1000 MiB free: at most half of it, 10 sequences.
+    assert check.timing_batch(16, 2, 100.0, 1000.0) == 10
+    assert check.timing_batch(8, 2, 100.0, 1000.0) == 8
+    # Never below the batch the check already ran.
+    assert check.timing_batch(16, 2, 100.0, 10.0) == 2
+
+
+def test_the_median_round_is_kept_with_the_rounds_spread_and_an_oom_keeps_the_checks(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    resources = SimpleNamespace(
+        device=detect("cpu"),
+        config=SimpleNamespace(
+            search_space=SimpleNamespace(target_effective_batch_size=[32, 16]),
+            training=SimpleNamespace(max_physical_batch_size=64)))
+    first = check.Verdict("a", "bf16", True, step_seconds=0.5, step_batch=2, step_mib=1.0)
+    verdicts = {("a", "bf16", "none"): first,
+                ("a", "none", "none"): replace(first, precision="none"),
+                ("b", "none", "none"): replace(first, model="b", precision="none")}
+    times = {("a", "bf16"): [0.3, 0.1, 0.2], ("a", "none"): [0.4, 0.4, 0.4],
+             ("b", "none"): [1.0, torch.OutOfMemoryError("out of memory"), 1.0]}
+    batches = []
+
+    def time_steps(_resources, model, precision, _peft, batch):
+        batches.append(batch)
+        value = times[model, precision].pop(0)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    monkeypatch.setattr(check, "time_steps", time_steps)
+    compared = check.compare(resources, verdicts)
+    assert set(batches) == {16}
+    assert compared["a", "bf16", "none"] == replace(
+        first, step_seconds=0.2, step_batch=16, step_spread=0.5)
+    assert compared["a", "none", "none"].step_spread == 0.0
+    assert compared["b", "none", "none"] == verdicts["b", "none", "none"]

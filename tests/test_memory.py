@@ -243,3 +243,38 @@ def test_a_gpu_searches_to_the_physical_limit_and_a_cpu_to_the_trials_batch():
     assert memory.search_bound(H100, target=512, max_physical=256) == 256
     assert memory.search_bound(CPU_AVX2, target=8, max_physical=256) == 8
     assert memory.search_bound(CPU_AVX2, target=512, max_physical=256) == 256
+
+
+def test_a_steps_memory_is_its_peak_above_what_the_process_held():
+    """On a Linux host the peak resident memory is reset before the step, and the pages freed
+    before it returned, so a step that reuses freed memory still reads as needing it."""
+    from conftest import CPU_AVX2
+
+    held = torch.ones(64 * 2**20 // 4)  # held throughout: not the step's
+
+    def step() -> None:
+        torch.ones(256 * 2**20 // 4).add_(1)  # 256 MiB, freed as the step returns
+
+    for _ in range(2):
+        needed = memory.step_memory(CPU_AVX2, step)
+        assert 240 * 2**20 < needed < 320 * 2**20
+    assert memory.step_memory(CPU_AVX2, lambda: None) < 32 * 2**20
+    assert memory.free_bytes(CPU_AVX2) > 0
+    del held
+
+
+def test_a_gpu_steps_memory_is_its_allocators_peak_above_what_was_allocated(monkeypatch):
+    from conftest import H100
+
+    counts = {"allocated": 512 * 2**20, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda _index: counts["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda _index: counts["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda _index: counts.__setitem__("peak", counts["allocated"]))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _index: (70 * 2**30, 80 * 2**30))
+
+    def step() -> None:
+        counts["peak"] = counts["allocated"] + 3 * 2**30
+
+    assert memory.step_memory(H100, step) == 3 * 2**30
+    assert memory.free_bytes(H100) == 70 * 2**30

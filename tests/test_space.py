@@ -47,6 +47,28 @@ def test_by_cost_keeps_the_precisions_within_the_tolerance_of_the_cheapest():
     assert by_cost({}, ("bf16", "none"), 0.1).kept == ("bf16", "none")
 
 
+def test_by_cost_says_when_the_repeats_spread_leaves_a_decision_unsettled():
+    # fp32 1.12x bf16's, each time straying 3% over its rounds: the 1.10x edge is within
+    # the 6% the ratio may stray, so the drop is unsettled; at 0.5% it is not.
+    close = {"m": {"bf16": 1.0, "none": 1.12}}
+    loose = by_cost(close, ("bf16", "none"), 0.1, {"m": {"bf16": 0.03, "none": 0.03}})
+    assert loose.kept == ("bf16",)
+    assert loose.unsettled == {"none": "its step took 1.12x bf16's, within the timed rounds' "
+                               "spread (+/-6%) of the tolerance's 1.10x: another run may "
+                               "keep it"}
+    tight = by_cost(close, ("bf16", "none"), 0.1, {"m": {"bf16": 0.005, "none": 0.005}})
+    assert tight.kept == ("bf16",) and tight.unsettled == {}
+    # A kept precision near the edge may be dropped by another run.
+    near = by_cost({"m": {"bf16": 1.0, "none": 1.08}}, ("bf16", "none"), 0.1,
+                   {"m": {"bf16": 0.02, "none": 0.02}})
+    assert near.kept == ("bf16", "none") and near.unsettled["none"].endswith("may drop it")
+    # Far from the edge, or with no repeats, nothing is unsettled.
+    demo = {"minilm": {"bf16": 0.285, "none": 0.414}, "tiny": {"bf16": 0.018, "none": 0.016}}
+    spread = {"minilm": {"bf16": 0.05, "none": 0.05}, "tiny": {"bf16": 0.5, "none": 0.5}}
+    assert by_cost(demo, ("bf16", "none"), 0.1, spread).unsettled == {}
+    assert by_cost(close, ("bf16", "none"), 0.1).unsettled == {}
+
+
 def test_auto_resolves_to_native_precisions():
     assert resolve_precisions("auto", T4) == ("fp16", "none")
     assert resolve_precisions("auto", A100) == ("fp16", "bf16", "none")

@@ -230,6 +230,12 @@ def test_the_precision_decision_names_fp32_and_keeps_the_rule_for_verbose():
         "precisions searched: bf16; fp32 left out (its step took 1.18x bf16's, summed over "
         "2 model(s))")
     assert "study.precision_tolerance 0.1" in worker.describe_decision(pinned, verbose=True)
+    # A decision the timed rounds' spread leaves unsettled says so, with why.
+    why = ("its step took 1.12x bf16's, within the timed rounds' spread (+/-6%) of the "
+           "tolerance's 1.10x: another run may keep it")
+    unsettled = PinnedSpace(pinned.declared, pinned.fp_precision,
+                            {**pinned.decided, "unsettled": {"none": why}})
+    assert worker.describe_decision(unsettled).endswith(f"; unsettled: fp32 {why}")
 
 
 def wait_for(condition, seconds: float = 180) -> None:

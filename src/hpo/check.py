@@ -1,7 +1,8 @@
 """Real training steps per model x precision (x adapter method, where the space searches
-`peft`) before the search spends GPU hours: one of two sequences, then three more, timed,
-whose time per sequence `fp_precision: auto` goes by (with several precisions to choose from,
-timed again in turn and the fastest round kept, so a passing load does not decide).
+`peft`) before the search spends GPU hours: one of two sequences, then three more, timed. With
+several precisions for `fp_precision: auto` to choose from, each is timed again at a trial's
+batch, in rounds taken in turn, and `auto` goes by the median round's time per sequence and
+says when the rounds' spread leaves its decision open (`space.by_cost`).
 
 A combination whose model cannot be built, whose step raises or whose loss or predictions are
 not finite is unusable: the trials that sample it are pruned at once with
@@ -33,16 +34,23 @@ PREFIX = "check:"
 # seconds, with memory to spare on any device that trains the model at all.
 BATCH = 2
 # Timed after the first step (which pays for allocation and kernel selection), at the same
-# batch: a larger one could meet the OOM killer before any trial, where two sequences are
-# what the check already showed the device holds.
+# batch, which the check has just shown the device holds; only `auto`'s comparison (ROUNDS)
+# goes larger, where memory allows.
 TIMED_STEPS = 3
-# With more than one precision for `auto` to choose from, each combination is timed in this
-# many rounds, taken in turn (every other round in reverse order), and keeps its fastest:
-# `auto` keeps a precision by how its step time compares with another's, and a burst of load
-# on a shared host during one combination's few steps once dropped the faster precision
-# (benchmarks/README.md, the overhead section). Load only ever slows a step, so the fastest
-# round is the truest.
+# With more than one precision for `auto` to choose from, each combination is timed again in
+# this many rounds, taken in turn (every other round in reverse order), each on a fresh model,
+# and keeps the median round: `auto` keeps a precision by how its step time compares with
+# another's, and a burst of load on a shared host during one combination's few steps once
+# dropped the faster precision (benchmarks/README.md, the overhead section). A burst slows
+# one round; the median ignores it, and the rounds' spread says how far to trust the ratio.
 ROUNDS = 3
+# The rounds run at a trial's batch: the smallest effective batch the space searches (capped
+# at the physical limit), which its trials run anyway. At the check's two sequences a step is
+# mostly fixed cost (kernel launches, thread start-ups) that a lower precision does not
+# shrink, so the margin that decided was narrow enough for load to flip. The batch is taken
+# only where its memory, extrapolated from a timed step's, is at most this share of what is
+# free: on a CPU the host's OOM killer, not an exception, answers a step too large.
+MEMORY_SHARE = 0.5
 
 
 class Reporter(Protocol):
@@ -64,6 +72,10 @@ class Verdict:
     attention: str | None = None
     peft: str = "none"  # verdicts stored before adapters were searched are full fine-tuning
     step_batch: int | None = None  # the micro-batch `step_seconds` was timed at
+    # What one step at `step_batch` needed above what the process held, where the device
+    # says (memory.step_memory); and the half-range of the timed rounds over their median.
+    step_mib: float | None = None
+    step_spread: float | None = None
 
 
 FIELDS = frozenset(f.name for f in fields(Verdict))
@@ -88,11 +100,27 @@ def step_seconds(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]] 
     smaller batch; verdicts of releases that timed one untimed-shape step of two sequences
     (no `step_batch`) are not counted: they rank the precisions by their overheads."""
     seconds: dict[str, dict[str, float]] = {}
-    for v in verdicts or ():
-        if v.usable and v.step_seconds and v.step_batch:
-            name = v.model if v.peft == "none" else f"{v.model} ({v.peft})"
-            seconds.setdefault(name, {})[v.precision] = v.step_seconds / v.step_batch
+    for v in _timed(verdicts):
+        seconds.setdefault(_configuration(v), {})[v.precision] = v.step_seconds / v.step_batch
     return seconds or None
+
+
+def step_spreads(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]]:
+    """The relative spread of the timed rounds, where they were timed in rounds, in the shape
+    of `step_seconds`."""
+    spreads: dict[str, dict[str, float]] = {}
+    for v in _timed(verdicts):
+        if v.step_spread is not None:
+            spreads.setdefault(_configuration(v), {})[v.precision] = v.step_spread
+    return spreads
+
+
+def _timed(verdicts: list[Verdict] | None) -> list[Verdict]:
+    return [v for v in verdicts or () if v.usable and v.step_seconds and v.step_batch]
+
+
+def _configuration(verdict: Verdict) -> str:
+    return verdict.model if verdict.peft == "none" else f"{verdict.model} ({verdict.peft})"
 
 
 def unusable(study: optuna.Study, device: Device, model: str, precision: str,
@@ -121,30 +149,71 @@ def check_all(resources: Resources, precisions: tuple[str, ...],
               skip: frozenset[tuple[str, str, str]] = frozenset()) -> Iterator[Verdict]:
     """A verdict per combination not in `skip`, one real step each (adapters at the
     training section's rank and dropout). With more than one precision for `auto` to choose
-    from, their step times are taken over ROUNDS rounds in turn and each combination keeps its
-    fastest round."""
+    from, their step times are taken again at a trial's batch (`compare`)."""
     todo = [c for c in combinations(resources, precisions) if c not in skip]
     verdicts: dict[tuple[str, str, str], Verdict] = {}
     for combination in todo:
         verdicts[combination] = check_one(resources, *combination)
         memory.release_memory()  # the step's tensors are gone with check_one
-    timed = [c for c in todo if verdicts[c].usable and verdicts[c].step_batch]
+    timed = {c: verdicts[c] for c in todo if verdicts[c].usable and verdicts[c].step_batch}
     # Only `auto` keeps precisions by their step times; a pinned list's are only shown.
     compared = resources.pinned.declared.get("fp_precision") == "auto"
     if compared and len({precision for _, precision, _ in timed}) > 1:
-        for turn in range(1, ROUNDS):
-            for combination in timed[::-1] if turn % 2 else timed:
-                verdict = verdicts[combination]
-                try:
-                    seconds = time_steps(resources, *combination, verdict.step_batch)
-                except Exception as exc:
-                    if not memory.is_oom(exc):
-                        raise
-                    seconds = math.inf  # the round is lost, not the verdict
-                memory.release_memory()
-                verdicts[combination] = replace(
-                    verdict, step_seconds=min(verdict.step_seconds, round(seconds, 4)))
+        verdicts |= compare(resources, timed)
     yield from verdicts.values()
+
+
+def timing_batch(target: int, batch: int, step_mib: float | None,
+                 free_mib: float | None) -> int:
+    """The batch `auto`'s rounds time a model at: `target`, a trial's batch, as far as a
+    step's memory, extrapolated from `step_mib` at `batch` as proportional to the batch, stays
+    within MEMORY_SHARE of `free_mib`; `batch`, which the check ran, where either is unknown."""
+    if target <= batch:
+        return target
+    if step_mib is None or free_mib is None:
+        return batch
+    per_sequence = step_mib / batch
+    fitting = int(MEMORY_SHARE * free_mib / per_sequence) if per_sequence > 0 else target
+    return max(batch, min(target, fitting))
+
+
+def compare(resources: Resources, verdicts: dict[tuple[str, str, str], Verdict]
+            ) -> dict[tuple[str, str, str], Verdict]:
+    """`verdicts` with the step times `auto` compares: each configuration (model and adapter
+    method) at one `timing_batch` for all its precisions, in ROUNDS rounds taken in turn, the
+    median round kept with the rounds' spread. A configuration whose rounds ran out of memory
+    keeps the check's own timing, at the check's batch."""
+    space, training = resources.config.search_space, resources.config.training
+    target = min(min(space.target_effective_batch_size), training.max_physical_batch_size)
+    free = memory.free_bytes(resources.device)
+    batches: dict[tuple[str, str], int] = {}
+    for (model, _, peft), verdict in verdicts.items():
+        batch = timing_batch(target, verdict.step_batch or BATCH, verdict.step_mib,
+                             None if free is None else free / 2**20)
+        batches[model, peft] = min(batches.get((model, peft), batch), batch)
+    rounds: dict[tuple[str, str, str], list[float]] = {c: [] for c in verdicts}
+    order = list(verdicts)
+    for turn in range(ROUNDS):
+        for combination in order[::-1] if turn % 2 else order:
+            model, _, peft = combination
+            try:
+                seconds = time_steps(resources, *combination, batches[model, peft])
+            except Exception as exc:
+                if not memory.is_oom(exc):
+                    raise
+                seconds = math.inf
+            memory.release_memory()
+            rounds[combination].append(seconds)
+    lost = {(model, peft) for (model, _, peft), times in rounds.items() if math.inf in times}
+    return {c: verdict if (c[0], c[2]) in lost else replace(
+                verdict, step_seconds=round(statistics.median(rounds[c]), 4),
+                step_batch=batches[c[0], c[2]], step_spread=round(spread(rounds[c]), 4))
+            for c, verdict in verdicts.items()}
+
+
+def spread(times: list[float]) -> float:
+    """Half the range of `times` over their median: how far one round strays."""
+    return (max(times) - min(times)) / 2 / statistics.median(times)
 
 
 def _stepper(resources: Resources, model_name: str, precision: str,
@@ -199,7 +268,8 @@ def check_one(resources: Resources, model_name: str, precision: str,
             raise torch.OutOfMemoryError("out of memory even at micro-batch 1")
         peak = probe.peak() / 2**20 if probe is not None else None
         timed = steps[0][0]
-        for _ in range(TIMED_STEPS):
+        step_bytes = memory.step_memory(device, lambda: record(timed))
+        for _ in range(TIMED_STEPS - 1):
             record(timed)
         _, loss, _ = steps[0]
         seconds = statistics.median(s for _, _, s in steps[-TIMED_STEPS:])
@@ -207,7 +277,8 @@ def check_one(resources: Resources, model_name: str, precision: str,
         if why is None:
             why = _predictions_not_finite(model, plan, device, _length(resources, model_name))
         verdict = Verdict(model_name, precision, why is None, why, round(seconds, 4),
-                          None if peak is None else round(peak, 1), attention, peft, timed)
+                          None if peak is None else round(peak, 1), attention, peft, timed,
+                          None if step_bytes is None else round(step_bytes / 2**20, 1))
     except Exception as exc:
         verdict = Verdict(model_name, precision, False, one_line(exc), attention=attention,
                           peft=peft)

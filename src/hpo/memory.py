@@ -16,6 +16,7 @@ import gc
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -170,6 +171,49 @@ def device_memory_probe(device: Device) -> MemoryProbe | None:
 
     torch.cuda.reset_peak_memory_stats(index)
     return MemoryProbe(capacity=int(0.95 * device.total_memory), peak=peak)
+
+
+def step_memory(device: Device, step: Callable[[], object]) -> int | None:
+    """Run `step()`; the bytes it needed above what the process held before it, where the
+    device can say: a CUDA allocator's peak, or a Linux process's peak resident memory
+    (reset through /proc/self/clear_refs), the host's freed pages returned first so that a
+    step reusing them does not read as needing nothing. None where neither can be read."""
+    if device.type == "cuda":
+        index = device.torch_device
+        torch.cuda.reset_peak_memory_stats(index)
+        before = torch.cuda.memory_allocated(index)
+        step()
+        return max(0, torch.cuda.max_memory_allocated(index) - before)
+    release_memory()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident size
+        before = _status_bytes("VmRSS")
+    except (OSError, LookupError):
+        step()
+        return None
+    step()
+    return max(0, _status_bytes("VmHWM") - before)
+
+
+def free_bytes(device: Device) -> int | None:
+    """The memory free for a step now: a CUDA device's, or the host's available memory (Linux);
+    None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device.torch_device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # in kB
+    raise LookupError(field)
 
 
 @dataclass(frozen=True)

@@ -94,31 +94,57 @@ def declare(space: SearchSpace, device: Device | None) -> PinnedSpace:
 class CostChoice:
     kept: tuple[str, ...]
     dropped: dict[str, str]  # precision -> why
+    # precision -> why the decision on it is unsettled: its cost ratio lies within the timed
+    # rounds' spread of the tolerance's edge, so another run may keep or drop it otherwise.
+    unsettled: dict[str, str] = field(default_factory=dict)
 
 
 def by_cost(seconds: dict[str, dict[str, float]], candidates: tuple[str, ...],
-            tolerance: float) -> CostChoice:
+            tolerance: float, spreads: dict[str, dict[str, float]] | None = None
+            ) -> CostChoice:
     """The candidate precisions worth searching, from the measured seconds of a training
     step (per sequence) per configuration (model) and precision. A precision no model could
     step in is dropped. Of the rest, a precision's cost is its seconds summed over the
     configurations measured in all of them, each as likely in a trial, so the models that
     dominate a search's time decide, not a tiny model's noisy milliseconds; it is kept
     within `tolerance` of the cheapest precision's. With no configuration measured in all,
-    they are all kept: nothing speaks against any."""
+    they are all kept: nothing speaks against any.
+
+    `spreads` (the same shape, each a time's relative spread over repeats) mark a decision
+    unsettled where a precision's cost ratio to the cheapest lies within the combined spread of
+    the two costs from the tolerance's edge."""
     usable = tuple(p for p in candidates if any(p in steps for steps in seconds.values()))
     if not usable:
         return CostChoice(candidates, {})
     dropped = {p: "no model stepped in it (hpo check)" for p in candidates if p not in usable}
-    complete = [steps for steps in seconds.values() if all(p in steps for p in usable)]
+    complete = {name: steps for name, steps in seconds.items()
+                if all(p in steps for p in usable)}
     if not complete:
         return CostChoice(usable, dropped)
-    cost = {p: sum(steps[p] for steps in complete) for p in usable}
+    cost = {p: sum(steps[p] for steps in complete.values()) for p in usable}
     cheapest = min(cost.values())
     fastest = min(usable, key=cost.__getitem__)
     kept = tuple(p for p in PRECISIONS if p in cost and cost[p] <= (1 + tolerance) * cheapest)
     dropped |= {p: f"its step took {cost[p] / cheapest:.2f}x {precision_name(fastest)}'s, "
                    f"summed over {len(complete)} model(s)" for p in usable if p not in kept}
-    return CostChoice(kept, dropped)
+    spread = {p: _spread(complete, spreads or {}, p) / cost[p] for p in usable}
+    edge = 1 + tolerance
+    unsettled = {}
+    for p in usable:
+        ratio, noise = cost[p] / cheapest, spread[p] + spread[fastest]
+        if p != fastest and noise > 0 and abs(ratio - edge) <= noise * ratio:
+            unsettled[p] = (f"its step took {ratio:.2f}x {precision_name(fastest)}'s, within the "
+                        f"timed rounds' spread (+/-{noise:.0%}) of the tolerance's {edge:.2f}x:"
+                        f" another run may {'drop' if p in kept else 'keep'} it")
+    return CostChoice(kept, dropped, unsettled)
+
+
+def _spread(complete: dict[str, dict[str, float]], spreads: dict[str, dict[str, float]],
+            precision: str) -> float:
+    """A precision's summed step time's spread in seconds: each model's time times its
+    relative spread (none where its time was not repeated)."""
+    return sum(steps[precision] * spreads.get(name, {}).get(precision, 0.0)
+               for name, steps in complete.items())
 
 
 def check_device(config: StudyConfig, device: Device) -> PinnedSpace:

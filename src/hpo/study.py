@@ -195,11 +195,13 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
 
 def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned: PinnedSpace,
                       seconds: dict[str, dict[str, float]] | None,
-                      tolerance: float) -> PinnedSpace:
+                      tolerance: float,
+                      spreads: dict[str, dict[str, float]] | None = None) -> PinnedSpace:
     """For `fp_precision: auto`, the precisions the study searches, decided once for the
     whole fleet, before any trial samples one (Optuna's categorical choices cannot change
     later): those `space.by_cost` keeps from the check's measured `seconds` per step (per
-    model and precision), or, with no measurement, every native one. Under the study lock:
+    model and precision; `spreads`, how much their repeats strayed, says when the decision
+    is unsettled), or, with no measurement, every native one. Under the study lock:
     the first worker to decide decides for all; the others read its decision."""
     if pinned.declared.get("fp_precision") != "auto" or pinned.decided is not None:
         return pinned
@@ -214,10 +216,12 @@ def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned:
             decided = PinnedSpace(stored.declared, stored.fp_precision,
                                   {"by": "native", "why": why})
         else:
-            choice = by_cost(seconds, stored.fp_precision, tolerance)
+            choice = by_cost(seconds, stored.fp_precision, tolerance, spreads)
             decided = PinnedSpace(stored.declared, choice.kept,
                                   {"by": "cost", "tolerance": tolerance,
-                                   "dropped": choice.dropped})
+                                   "dropped": choice.dropped,
+                                   **({"unsettled": choice.unsettled} if choice.unsettled
+                                      else {})})
         study.set_user_attr(PIN_ATTR, decided.to_json())
         return decided
 

@@ -74,6 +74,8 @@ def describe_decision(pinned: PinnedSpace, verbose: bool = False) -> str:
         return f"{text}: every native one ({decided['why']})"
     dropped = decided.get("dropped", {})
     text += "".join(f"; {precision_name(p)} left out ({why})" for p, why in dropped.items())
+    text += "".join(f"; unsettled: {precision_name(p)} {why}"
+                    for p, why in decided.get("unsettled", {}).items())
     if not verbose:
         return text
     return (f"{text} (kept: within study.precision_tolerance {decided.get('tolerance', 0):g} "
@@ -225,7 +227,7 @@ def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resourc
     verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
                 else check.stored(study, resources.device))
     decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
-                                config.study.precision_tolerance)
+                                config.study.precision_tolerance, check.step_spreads(verdicts))
     if decided.decided != pinned.decided:
         reporter.message(describe_decision(decided, verbose))
     stored_tolerance = (decided.decided or {}).get("tolerance")
