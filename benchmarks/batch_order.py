@@ -1,8 +1,8 @@
 """Does hpo's batch order cost model quality? hpo's training loop on benchmarks/throughput.py's
-posts and settings, its epochs sorted by noisy length (the default) against the same loop
-with batches in random order (`--length-noise 1e12`: the sort key is all noise, as the
-Trainer's default sampler), both dynamically padded, at training seeds 0 .. repeats-1, each
-run in a fresh process, the order alternating.
+posts and settings, its epochs sorted by noisy length or blurred length rank (the default)
+against the same loop with batches in random order (`--length-noise 1e12 --rank-blur 1e12`:
+both sort keys all noise, as the Trainer's default sampler), both dynamically padded, at
+training seeds 0 .. repeats-1, each run in a fresh process, the order alternating.
 
     PYTHONPATH=src python benchmarks/batch_order.py [--repeats 6] [throughput.py's options]
 
@@ -32,7 +32,7 @@ from throughput import (
 from hpo.hardware import detect
 from hpo.models import quiet_transformers
 
-SHUFFLED = ("--length-noise", "1e12")
+SHUFFLED = ("--length-noise", "1e12", "--rank-blur", "1e12")
 
 
 def main() -> None:

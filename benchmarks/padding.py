@@ -4,8 +4,8 @@ benchmarks/throughput.py's synthetic posts. No training: on a GPU, where a step 
 proportion to the tokens it processes, the ratio of two efficiencies is the speed-up padding
 gives one loop over the other at equal kernels.
 
-    PYTHONPATH=src python benchmarks/padding.py [--sizes 400 1500 5000] [--epochs 10]
-        [--batches 16] [--max-length 256] [--model NAME_OR_DIR] [--study demo]
+    PYTHONPATH=src python benchmarks/padding.py [--sizes 400 1500 5000 20000] [--epochs 10]
+        [--batches 8 32 128] [--max-length 256] [--model NAME_OR_DIR] [--study demo]
 
 `--study NAME` measures that study's training split at its max_length instead of the
 synthetic posts.
@@ -77,9 +77,9 @@ def study_training_split(name: str) -> tuple[list[Example], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[400, 1500, 5000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[400, 1500, 5000, 20000])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batches", type=int, nargs="+", default=[16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--model", default="sentence-transformers/all-MiniLM-L6-v2")
     parser.add_argument("--study", help="a study's training split instead of synthetic posts")

@@ -6,6 +6,7 @@ tokens / tokens processed in training). Each configuration runs in a fresh proce
     PYTHONPATH=src python benchmarks/throughput.py [--train 400] [--validation 100]
         [--max-length 256] [--precision bf16|none] [--learning-rate 5e-5] [--epochs 2]
         [--pos-weight balanced|none] [--repeats 1] [--model NAME_OR_DIR] [--length-noise X]
+        [--rank-blur X]
         [--rows hpo max_length default grouped]
 
 Repeat k trains every configuration with training seed k (dropout and batch order; the
@@ -279,6 +280,8 @@ def measure(args: argparse.Namespace, device: Device, run: str) -> Result:
     configure_backends(device)  # as an hpo worker sets up its process
     if args.length_noise is not None:
         batching.LENGTH_NOISE = args.length_noise
+    if args.rank_blur is not None:
+        batching.RANK_BLUR = args.rank_blur
     bench = load_bench(args, device)
     bench.store.build(args.model, len(SYMPTOMS), seed=0)
     # As a worker does once its models and tokens are loaded: what it holds for good leaves
@@ -319,6 +322,9 @@ def parser_for(device: Device) -> argparse.ArgumentParser:
     parser.add_argument("--length-noise", type=float,
                         help="hpo's row: batching.LENGTH_NOISE instead of its own (1e12 sorts "
                              "the epoch by noise alone: batches in random order)")
+    parser.add_argument("--rank-blur", type=float,
+                        help="hpo's row: batching.RANK_BLUR instead of its own (1e12 with "
+                             "--length-noise 1e12: batches in random order)")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
                         help="the rows to run, hpo's among them (default: all four)")
     parser.add_argument("--only", choices=RUNS, help=argparse.SUPPRESS)  # a child's one run

@@ -9,6 +9,7 @@ from hpo.data.batching import (
     Encoded,
     eval_batches,
     pad_multiple,
+    padded_tokens,
     padded_width,
     training_steps,
 )
@@ -73,6 +74,26 @@ def test_length_grouping_wastes_little_on_padding():
     plain = [order[i : i + 8] for i in range(0, len(grouped) * 8, 8)]
     assert padding_efficiency(lengths, grouped) >= 0.85
     assert padding_efficiency(lengths, plain) < 0.6
+
+
+@pytest.mark.parametrize("n", [400, 5000, 20_000])
+def test_an_epoch_takes_the_blurred_rank_order_where_it_pads_less_than_the_length_blur(
+        n, monkeypatch):
+    """A 5% blur of lengths spans hundreds of samples of a large data set, whose steps then
+    pad more than the Trainer's group_by_length; an order by blurred length rank pads less
+    there, and the epoch takes whichever of the two pads less."""
+    lengths = long_tailed_lengths(n)
+    chosen = training_steps(lengths, 32, 8, seed=0, epoch=1)
+    monkeypatch.setattr(batching, "RANK_BLUR", 1e12)  # a random rank order: never chosen
+    by_length = training_steps(lengths, 32, 8, seed=0, epoch=1)
+    assert padded_tokens(chosen, lengths) <= padded_tokens(by_length, lengths)
+    if n >= 5000:
+        assert padded_tokens(chosen, lengths) < 0.98 * padded_tokens(by_length, lengths)
+    # The collator pads each micro-batch as padded_tokens counts it.
+    multiple, longest = pad_multiple(max(lengths)), max(lengths)
+    assert padded_tokens(chosen, lengths) == sum(
+        len(micro) * padded_width(max(lengths[i] for i in micro), multiple, longest)
+        for step in chosen for micro in step)
 
 
 def test_eval_batches_cover_everything_once():
