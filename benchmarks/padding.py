@@ -11,7 +11,8 @@ gives one loop over the other at equal kernels.
 synthetic posts.
 
 hpo's batches come from `batching.training_steps` and are padded to `batching.padded_width`
-at `batching.pad_multiple`, as its collator pads them; the Trainer's from its own
+at `batching.pad_multiple`, as its collator pads them (the ceiling column: every sample padded
+alone to its own width, the best any order can do at that multiple); the Trainer's from its own
 `LengthGroupedSampler` (random mega-batches of `min(n // (4 * batch), 50)` batches, each sorted
 by length) and from a random permutation, each batch padded to its longest, as
 `DataCollatorWithPadding` pads it.
@@ -96,22 +97,27 @@ def main() -> None:
                 for n in args.sizes]
     print(f"Tokens of {args.model}; the mean over {args.epochs} epochs\n")
     print("| posts | max_length | batch | hpo's width multiple | mega-batch of the Trainer's "
-          "sampler | hpo | Trainer, group_by_length | Trainer, random batches | "
+          "sampler | hpo | Trainer, group_by_length | Trainer, group_by_length, widths at "
+          "hpo's multiple | Trainer, random batches | ceiling at hpo's multiple | "
           "hpo over group_by_length |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (label, encoded, max_length), batch in itertools.product(data, args.batches):
         lengths = encoded.lengths
         epochs = range(args.epochs)
         ours = mean_efficiency([hpo_batches(lengths, batch, e) for e in epochs], lengths,
                                rounded=True)
-        grouped = mean_efficiency([trainer_batches(lengths, batch, e, grouped=True)
-                                   for e in epochs], lengths, rounded=False)
+        grouped_epochs = [trainer_batches(lengths, batch, e, grouped=True) for e in epochs]
+        grouped = mean_efficiency(grouped_epochs, lengths, rounded=False)
+        grouped_rounded = mean_efficiency(grouped_epochs, lengths, rounded=True)
+        # Every sample alone in a batch of its own width: what rounding widths leaves at best.
+        ceiling = efficiency([[i] for i in range(len(lengths))], lengths, rounded=True)
         shuffled = mean_efficiency([trainer_batches(lengths, batch, e, grouped=False)
                                     for e in epochs], lengths, rounded=False)
         mega = max(1, min(len(lengths) // (4 * batch), 50)) * batch
         print(f"| {label} ({len(lengths):,}) | {max_length} | {batch} | "
-              f"{pad_multiple(max(lengths))} | {mega} | {ours:.3f} | {grouped:.3f} | "
-              f"{shuffled:.3f} | {ours / grouped:.3f}x |")
+              f"{pad_multiple(max(lengths))} | {mega} | {ours:.4f} | {grouped:.4f} | "
+              f"{grouped_rounded:.4f} | {shuffled:.4f} | {ceiling:.4f} | "
+              f"{ours / grouped:.4f}x |")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ class Result:
     micro_f1: float
     seconds: float
     probabilities: list[torch.Tensor]  # one per training seed
+    tokens_per_second: float = 0.0  # processed (padded) tokens: what a step costs on a GPU
 
 
 @dataclass
@@ -155,13 +156,13 @@ class Bench:
     pos_weight: torch.Tensor | None
 
     def score(self, run: str, model: torch.nn.Module, samples: int, seconds: float,
-              efficiency: float) -> Result:
+              efficiency: float, processed: int) -> Result:
         pad_id = self.tokenizer.pad_token_id or 0
         probabilities = predict(model, self.val, EVAL_BATCH, self.device, self.args.precision,
                                 pad_id)
         scores = f1_scores(probabilities >= 0.5, self.val.labels, SYMPTOMS)
         return Result(run, samples / seconds, efficiency, scores.macro_f1, scores.micro_f1,
-                      seconds, [probabilities])
+                      seconds, [probabilities], processed / seconds)
 
 
 def run_ours(b: Bench, run: str) -> Result:
@@ -176,7 +177,8 @@ def run_ours(b: Bench, run: str) -> Result:
                      evaluate=lambda _: 0.0, on_epoch=lambda _e, _s: None,
                      pos_weight=b.pos_weight)
     seconds = time.perf_counter() - started
-    return b.score(run, model, progress.samples, seconds, progress.padding_efficiency)
+    return b.score(run, model, progress.samples, seconds, progress.padding_efficiency,
+                   progress.padded_tokens)
 
 
 def run_trainer(b: Bench, run: str) -> Result:
@@ -213,7 +215,8 @@ def run_trainer(b: Bench, run: str) -> Result:
         trainer.train()
         seconds = time.perf_counter() - started
     model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-    return b.score(run, model, collator.samples, seconds, collator.real / collator.processed)
+    return b.score(run, model, collator.samples, seconds, collator.real / collator.processed,
+                   collator.processed)
 
 
 def warm_up(store: ModelStore, args: argparse.Namespace, device: Device) -> None:
@@ -234,7 +237,7 @@ def warm_up(store: ModelStore, args: argparse.Namespace, device: Device) -> None
 def combined(results: list[Result]) -> Result:
     """Over the repeats (one per training seed): the median speed, the mean scores, every
     repeat's probabilities in seed order (for the bootstrap)."""
-    speed = ("samples_per_second", "padding_efficiency", "seconds")
+    speed = ("samples_per_second", "padding_efficiency", "seconds", "tokens_per_second")
     medians = {f: statistics.median(getattr(r, f) for r in results) for f in speed}
     means = {f: statistics.mean(getattr(r, f) for r in results) for f in ("macro_f1", "micro_f1")}
     return Result(results[0].run, **medians, **means,
@@ -374,20 +377,22 @@ def main() -> None:
           f"{MAX_GRAD_NORM}, BCE with pos_weight {args.pos_weight}; {args.repeats} run(s) "
           f"each, each in a fresh process, run k with training seed {SEED} + k; samples/s, "
           "padding and train s the median over runs, scores the mean\n")
-    print(f"| run | samples/s | speed-up vs {base.run} | padding efficiency | macro-F1 | "
-          "micro-F1 | train s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| run | samples/s | speed-up vs {base.run} | processed tokens/s | padding "
+          "efficiency | macro-F1 | micro-F1 | train s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in (ours, *trainers):
         print(f"| {r.run} | {r.samples_per_second:.1f} | "
               f"{r.samples_per_second / base.samples_per_second:.2f}x | "
-              f"{r.padding_efficiency:.3f} | {r.macro_f1:.4f} | {r.micro_f1:.4f} | "
-              f"{r.seconds:.1f} |")
+              f"{r.tokens_per_second:.0f} | {r.padding_efficiency:.3f} | {r.macro_f1:.4f} | "
+              f"{r.micro_f1:.4f} | {r.seconds:.1f} |")
     print()
     for other in trainers:
         low, high = paired_bootstrap(ours.probabilities, other.probabilities, val.labels)
         per_seed = [o.samples_per_second / t.samples_per_second
                     for o, t in zip(runs[OURS], runs[other.run], strict=True)]
         speedup = statistics.median(per_seed)
+        per_token = [o.tokens_per_second / t.tokens_per_second
+                     for o, t in zip(runs[OURS], runs[other.run], strict=True)]
         label = "equal within noise" if low <= 0 <= high else "higher" if low > 0 else "LOWER"
         goal = ""
         if other.run in GOALS:
@@ -400,6 +405,11 @@ def main() -> None:
               f"{ours.samples_per_second / other.samples_per_second:.3f}); macro-F1 difference "
               f"{ours.macro_f1 - other.macro_f1:+.4f} (95% paired bootstrap over validation "
               f"posts, seeds paired {low:+.4f} .. {high:+.4f}: {label}){goal}")
+        # Per processed token: the loops' own speed, padding aside (issue 44 item 2).
+        print(f"  - per processed token: **{statistics.median(per_token):.3f}x** (the median "
+              f"over training seeds of {', '.join(f'{r:.3f}' for r in per_token)}): goal >= 1 "
+              f"within the pairs' spread "
+              f"({min(per_token):.3f} .. {max(per_token):.3f})")
     if max(r.macro_f1 for r in (ours, *trainers)) < 0.05:
         print("- all runs score near 0: with plain BCE the model predicts no symptom yet, so "
               "equal scores say little here (try --pos-weight balanced)")

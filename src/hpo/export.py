@@ -120,23 +120,15 @@ def optimism_base(report: dict[str, Any]) -> float:
 
 
 def model_card(report: dict[str, Any]) -> str:
-    params, data, exported = report["params"], report["data"], report["exported"]
-    objective = report["objective"]
-    posts = data["posts"]
-    spread = report["seed_spread"]["test_" + objective]
-    model_name = params["model_name"]
+    """The exported model's README.md: what it is and how to use it, its data and training,
+    its test scores and its limits."""
+    return _card_use(report) + _card_training(report) + _card_scores(report)
+
+
+def _card_use(report: dict[str, Any]) -> str:
+    model_name, exported = report["params"]["model_name"], report["exported"]
     base = f"base_model: {model_name}\n" if not local_path(model_name).exists() else ""
-    intervals = exported["test_interval_95"]
-    rows = "\n".join(
-        f"| {name} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
-        f"{s['support']} | {s['threshold']:.2f} |"
-        for name, s in exported["per_symptom"].items())
-    settings = "\n".join(f"- `{k}`: {v}" for k, v in params.items())
-    plan = report["plan"]
-    refit = ("training and validation splits (--refit), for the epochs of the trial's value"
-             if report["refit"] else "training split; the epoch kept is the one the study's "
-             "rule picks on the validation split")
-    pairs = ("" if data["task"] == "multilabel" else
+    pairs = ("" if report["data"]["task"] == "multilabel" else
              "\nInputs are (post, criterion description) pairs, one per symptom, with one "
              "yes/no output (`nli_pairs`): see hpo's `data/tasks.py` for the descriptions.\n")
     return f"""---
@@ -163,7 +155,17 @@ for scores in classify(["a post", "another post"]):  # per post, every symptom's
     print([s["label"] for s in scores if s["score"] > thresholds[s["label"]]])
 ```
 
-## Data
+"""
+
+
+def _card_training(report: dict[str, Any]) -> str:
+    params, data, plan = report["params"], report["data"], report["plan"]
+    posts = data["posts"]
+    settings = "\n".join(f"- `{k}`: {v}" for k, v in params.items())
+    refit = ("training and validation splits (--refit), for the epochs of the trial's value"
+             if report["refit"] else "training split; the epoch kept is the one the study's "
+             "rule picks on the validation split")
+    return f"""## Data
 
 `{data['dir']}`, task `{data['task']}`, split by post with seed {data['split_seed']}:
 {posts['train']} training, {posts['validation']} validation and {posts['test']} test posts
@@ -180,7 +182,19 @@ Precision `{params['fp_precision']}` (autocast during training; weights saved in
 {plan['physical_batch']} x {plan['grad_accum_steps']} accumulation, {plan['epochs']} epoch(s),
 on {report['device']}.
 
-## Scores on the held-out test split
+"""
+
+
+def _card_scores(report: dict[str, Any]) -> str:
+    exported, objective = report["exported"], report["objective"]
+    test_posts = report["data"]["posts"]["test"]
+    spread = report["seed_spread"]["test_" + objective]
+    intervals = exported["test_interval_95"]
+    rows = "\n".join(
+        f"| {name} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
+        f"{s['support']} | {s['threshold']:.2f} |"
+        for name, s in exported["per_symptom"].items())
+    return f"""## Scores on the held-out test split
 
 No trial of the search read the test split. The exported model was chosen among
 {len(report['runs'])} seed(s) by {exported['chosen_by']}.
@@ -206,7 +220,7 @@ was.
 
 ## Limits
 
-Scores come from {posts['test']} test posts; symptoms with few test posts have wide
+Scores come from {test_posts} test posts; symptoms with few test posts have wide
 uncertainty. The model flags language about symptoms in posts; it does not diagnose anyone
 and must not be used as a clinical tool.
 """
