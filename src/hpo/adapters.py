@@ -58,9 +58,12 @@ def attach(model: PreTrainedModel, training: TrainingConfig, precision: str) -> 
     if training.peft == "none":
         return model
     if body_dtype(training, precision) == "bfloat16":
-        model.to(torch.bfloat16)
+        # transformers wraps `to` in functools.wraps(Module.to), which mypy reads unbound.
+        model.to(torch.bfloat16)  # type: ignore[arg-type]
     config = LoraConfig(
-        task_type=TaskType.SEQ_CLS, r=training.lora_r, lora_alpha=training.adapter_alpha(),
+        # peft annotates lora_alpha as int; it takes any number (its scale is alpha / r).
+        task_type=TaskType.SEQ_CLS, r=training.lora_r,
+        lora_alpha=training.adapter_alpha(),  # type: ignore[arg-type]
         lora_dropout=training.lora_dropout, use_dora=training.peft == "dora",
         target_modules=training.lora_target_modules or "all-linear",
         modules_to_save=head_modules(model),

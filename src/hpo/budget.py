@@ -112,6 +112,7 @@ def study_lock(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchem
         with _advisory_lock(engine, study_name) as connection:
             yield connection
         return
+    lock: contextlib.AbstractContextManager[object]
     if backend == "sqlite" and engine.url.database not in (None, "", ":memory:"):
         lock = _file_lock(Path(engine.url.database).with_suffix(".hpo-lock"))
     else:

@@ -26,6 +26,7 @@ import torch
 from hpo import adapters, memory
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device, precision_name
+from hpo.models import config_of
 from hpo.resources import Resources
 from hpo.train import Plan, autocast, make_optimizer, prepare, probe_step
 
@@ -101,6 +102,7 @@ def step_seconds(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]] 
     (no `step_batch`) are not counted: they rank the precisions by their overheads."""
     seconds: dict[str, dict[str, float]] = {}
     for v in _timed(verdicts):
+        assert v.step_seconds is not None and v.step_batch is not None  # _timed's filter
         seconds.setdefault(_configuration(v), {})[v.precision] = v.step_seconds / v.step_batch
     return seconds or None
 
@@ -237,7 +239,7 @@ def _stepper(resources: Resources, model_name: str, precision: str,
 
     def step(batch: int) -> tuple[float, float]:
         began = time.perf_counter()
-        loss = probe_step(model, plan, device, batch, length, model.config.vocab_size,
+        loss = probe_step(model, plan, device, batch, length, config_of(model).vocab_size,
                           optimizer, scaler)
         return loss, time.perf_counter() - began
 
@@ -256,7 +258,7 @@ def check_one(resources: Resources, model_name: str, precision: str,
     attention = None
     try:
         step, model, plan = _stepper(resources, model_name, precision, peft)
-        attention = model.config._attn_implementation  # private; see records.record_model
+        attention = config_of(model)._attn_implementation  # private; see records.record_model
         probe = memory.device_memory_probe(device)
         steps: list[tuple[int, float, float]] = []  # batch, loss, seconds
 
@@ -299,7 +301,7 @@ def _predictions_not_finite(model: torch.nn.Module, plan: Plan, device: Device,
                             length: int) -> str | None:
     model.eval()
     inputs = {
-        "input_ids": torch.randint(0, model.config.vocab_size, (BATCH, length),
+        "input_ids": torch.randint(0, config_of(model).vocab_size, (BATCH, length),
                                    generator=torch.Generator().manual_seed(1)),
         "attention_mask": torch.ones((BATCH, length), dtype=torch.long),
     }

@@ -15,6 +15,8 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 # Both light: `hpo --help` and a mistyped study file do not wait for torch.
 from hpo import commands, launcher, release
@@ -30,7 +32,7 @@ class UsageError(ValueError):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         # argparse prints the whole usage block; one line naming the problem is enough, with
         # the prefix every other error has.
         command = self.prog.removeprefix("hpo").strip()
@@ -368,7 +370,7 @@ COMMANDS = {
 }
 
 
-def _terminate(signum: int, frame) -> None:
+def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated("SIGTERM")
 
 

@@ -12,12 +12,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 STUDIES_DIR = Path("configs/studies")
 # The shipped study files, installed with the package (a link to configs/studies in the
@@ -76,7 +79,7 @@ class IntRange(_Section):
         return self
 
 
-def _unique(values: list[Any]) -> list[Any]:
+def _unique(values: Sequence[Any]) -> Sequence[Any]:
     if len(set(values)) != len(values):
         raise ValueError(f"choices repeat: {values}")
     return values
@@ -186,16 +189,19 @@ class SearchSpace(_Section):
         """Why a set of parameter values (some or all of the space's) is not a point of this
         space, or None if it is. With `fp_precision: auto` or `native` no precision may be
         given: which ones are searched is the device's to say."""
-        choices: dict[str, list] = {"model_name": self.model_name,
+        choices: dict[str, Sequence[Any]] = {"model_name": self.model_name,
                                     "target_effective_batch_size":
                                         self.target_effective_batch_size}
         if not self.by_device:
             choices["fp_precision"] = self.fp_precision
-        ranges = {"learning_rate": self.learning_rate}
+        ranges: dict[str, FloatRange | IntRange] = {"learning_rate": self.learning_rate}
         if self.adapter_learning_rate is not None:
             ranges[ADAPTER_RATE] = self.adapter_learning_rate
         for name, dist in self.extras().items():
-            (choices if isinstance(dist, list) else ranges)[name] = dist
+            if isinstance(dist, list):
+                choices[name] = dist
+            else:
+                ranges[name] = dist
         for key, value in params.items():
             if key in choices:
                 if value not in choices[key]:
@@ -636,7 +642,7 @@ def _within(loc: list[str], key: list[str]) -> bool:
     return loc[: len(key)] == key or (bool(loc) and key[: len(loc)] == loc)
 
 
-def _describe(error: dict[str, Any], loc: list[str]) -> str:
+def _describe(error: ErrorDetails, loc: list[str]) -> str:
     where = ".".join(loc) or "top level"
     if error["type"] == "extra_forbidden":
         return f"unknown key '{where}'{_did_you_mean(loc[-1], _section_at(loc[:-1]))}"

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from hpo import adapters
 from hpo.config import TrainingConfig, local_path
 from hpo.errors import ConfigError
-from hpo.models import resolve
+from hpo.models import config_of, resolve
 
 REPORT = "report.json"
 CARD = "README.md"
@@ -85,7 +85,7 @@ def save_model(directory: Path, model: torch.nn.Module, model_name: str,
     pipeline with truncation=True reads what the model was trained on). A model with
     adapters is saved merged, as a plain transformers model; it is consumed."""
     model = adapters.merged(model)
-    config = model.config
+    config = config_of(model)
     if task == "multilabel":
         config.id2label = dict(enumerate(label_names))
         config.label2id = {name: i for i, name in enumerate(label_names)}
@@ -93,7 +93,8 @@ def save_model(directory: Path, model: torch.nn.Module, model_name: str,
         config.id2label, config.label2id = {0: "CRITERION_MET"}, {"CRITERION_MET": 0}
     config.problem_type = "multi_label_classification"  # a sigmoid per label in a pipeline
     config.decision_thresholds = thresholds
-    model.to(torch.float32).save_pretrained(directory)
+    # A transformers model's method, which torch types as a module attribute: tensor or module.
+    model.to(torch.float32).save_pretrained(directory)  # type: ignore[operator]
     tokenizer = AutoTokenizer.from_pretrained(resolve(model_name), model_max_length=max_length)
     tokenizer.save_pretrained(directory)
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from hpo.errors import FaultConfigError
 
@@ -100,7 +101,7 @@ def compile_backend():
     # backends" page), from a private module: test_train's compile-failure tests fail if it moves.
     from torch._dynamo.backends.common import aot_autograd
 
-    def compiler(failing: str):
+    def compiler(failing: str) -> Callable[..., Any]:
         def compile_graph(graph_module, _example_inputs):
             if failing == graph:
                 raise RuntimeError(f"injected: {COMPILE}={graph} (the compiler failed)")
@@ -120,7 +121,9 @@ def install(model: torch.nn.Module) -> None:
     nan_loss = os.environ.get(NAN_LOSS, "").strip()
     if nan_loss:
         name, precision = nan_loss.rsplit("|", 1)
-        if str(model.config.name_or_path).endswith(name):
+        # A transformers config (hpo.models.config_of, a layer above, types it).
+        config: Any = model.config
+        if str(config.name_or_path).endswith(name):
             _install_nan(model, precision)
 
 
@@ -149,7 +152,7 @@ def _install_nan(model: torch.nn.Module, precision: str) -> None:
 
     dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-    def hook(module: torch.nn.Module, _args: tuple, output):
+    def hook(module: torch.nn.Module, _args: tuple, output: Any) -> Any:
         device = next(module.parameters()).device.type
         running = (dtypes.get(torch.get_autocast_dtype(device), "none")
                    if torch.is_autocast_enabled(device) else "none")

@@ -292,6 +292,7 @@ def search(
         mid = (low + high) // 2
         guided = model_probes < _MODEL_PROBES
         if guided:
+            assert memory is not None  # without a probe model_probes starts at the limit
             guess = low + 1 if len(seen) < 2 else _predict(seen, memory.capacity)
             if guess is None:
                 guided, model_probes = False, _MODEL_PROBES

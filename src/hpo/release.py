@@ -48,13 +48,14 @@ def record(study: optuna.Study) -> dict:
 
 def check(name: str, found: object) -> None:
     """Raise StudyFormatError unless this release reads the format recorded in `found`."""
-    stored = found.get("format") if isinstance(found, dict) else None
+    record = found if isinstance(found, dict) else {}
+    stored = record.get("format")
     if not isinstance(stored, int) or isinstance(stored, bool):
         raise StudyFormatError(
             f"study {name!r} holds an unreadable {ATTR} record ({found!r}): it was not "
             "written by hpo; use another study name")
     if stored > STORE_FORMAT:
         raise StudyFormatError(
-            f"study {name!r} was written by hpo {found.get('created_by', '?')} in store format "
+            f"study {name!r} was written by hpo {record.get('created_by', '?')} in store format "
             f"{stored}; this hpo {version()} reads formats up to {STORE_FORMAT}: upgrade hpo "
             "on this machine (pip install -U hpo, or the fleet's newer image)")

@@ -8,7 +8,7 @@ import sys
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from hpo.hardware import precision_name
 from hpo.outcome import Outcome
@@ -34,7 +34,7 @@ class ConsoleReporter:
         self.console = console or Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self.live = self.console.is_terminal
         self._progress: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
 
     def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None:
         searched = (f"batch search {probes} probe{'s' if probes != 1 else ''}" if probes
@@ -71,7 +71,7 @@ class ConsoleReporter:
             )
 
     def step(self, number: int | str, progress: TrainProgress, epochs: int) -> None:
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(
                 self._task,
                 completed=progress.step,

@@ -71,6 +71,7 @@ class Resources:
         pool = Encoded.join(train, validation)
         per_post = len(self.label_names) if self.config.data.task == "nli_pairs" else 1
         data = self.config.data
+        assert data.cv_folds is not None, "folds are made only under data.cv_folds"
 
         def examples(posts: list[int]) -> list[int]:
             return [p * per_post + j for p in posts for j in range(per_post)]

@@ -201,6 +201,7 @@ def suggest(trial: optuna.Trial, pinned: PinnedSpace) -> Params:
     """One trial's parameters. With `adapter_learning_rate` the extras, `peft` among them,
     are sampled before the rate, which then comes from the range of the trial's method;
     without it the order is the one earlier releases sampled in, so a seeded study repeats."""
+    assert pinned.fp_precision is not None, "a worker resolves the precisions before trials"
     space = SearchSpace.model_validate(pinned.declared)
     model_name = trial.suggest_categorical("model_name", space.model_name)
     fp_precision = trial.suggest_categorical("fp_precision", list(pinned.fp_precision))

@@ -19,12 +19,13 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
 from sqlalchemy import exc as sa_exc
 
 from hpo.errors import StorageError
@@ -201,7 +202,8 @@ class ResilientRDBStorage(RDBStorage):
         return self.contact.unbroken_seconds() >= grace
 
     @_resilient
-    def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
+    def set_trial_state_values(self, trial_id: int, state: TrialState,
+                               values: Sequence[float] | None = None) -> bool:
         try:
             return RDBStorage.set_trial_state_values(self, trial_id, state, values)
         except optuna.exceptions.UpdateFinishedTrialError:

@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import get_linear_schedule_with_warmup
@@ -21,6 +22,7 @@ from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, t
 from hpo.errors import one_line
 from hpo.flops import ModelFlops, model_flops
 from hpo.hardware import Device, autocast_dtype, fused_adamw, loader_settings, peak_flops
+from hpo.models import config_of
 
 
 class NonFiniteLoss(RuntimeError):
@@ -113,8 +115,9 @@ def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Modu
     model.to(device.torch_device)
     faults.install(model)
     if plan.gradient_checkpointing:
-        # transformers 5 renamed it; older releases only know the first name.
-        enable = getattr(model, "activation_checkpointing_enable", None) or (
+        # transformers 5 renamed it; older releases only know the first name. (Any: torch
+        # types a module's attributes, this transformers method too, as tensors or modules.)
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)
         enable()
     model.train()
@@ -131,13 +134,13 @@ class CompiledOrEager(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, backend: Callable | str) -> None:
         super().__init__()
         self.eager = model
-        self.config = model.config
+        self.config = config_of(model)
         import torch._dynamo  # forward sets one of its settings; torch.compile loads it anyway
 
         self.compiled = torch.compile(model, dynamic=True, backend=backend)
         self.failure: str | None = None
 
-    def forward(self, **inputs: torch.Tensor):
+    def forward(self, **inputs: torch.Tensor) -> Any:
         if self.failure is None:
             try:
                 # Past its recompile limit torch runs a graph eagerly from then on without a
@@ -170,7 +173,7 @@ def compiled(model: torch.nn.Module, plan: Plan, device: Device) -> CompiledOrEa
         for batch in batches:
             shape = (batch, 8)
             inputs = {
-                "input_ids": torch.randint(0, model.config.vocab_size, shape,
+                "input_ids": torch.randint(0, config_of(model).vocab_size, shape,
                                            generator=generator),
                 "attention_mask": torch.ones(shape, dtype=torch.long),
             }
@@ -200,7 +203,8 @@ def micro_batch_sizes(plan: Plan) -> set[int]:
 
 def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.optim.AdamW:
     # Biases and normalisation weights are not decayed, as in BERT's recipe.
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -265,10 +269,12 @@ def probe_step(
     optimizer = optimizer or make_optimizer(model, plan, device)
     scaler = scaler or torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
     generator = torch.Generator().manual_seed(0)
+    labels = config_of(model).num_labels
+    assert labels is not None  # a classifier's config has its labels
     inputs = {
         "input_ids": torch.randint(0, vocab, (batch, length), generator=generator),
         "attention_mask": torch.ones((batch, length), dtype=torch.long),
-        "labels": torch.zeros((batch, model.config.num_labels)),
+        "labels": torch.zeros((batch, labels)),
     }
     inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
     with autocast(device, plan.precision):
@@ -284,10 +290,11 @@ def _synchronize(device: Device) -> None:
         torch.cuda.synchronize(device.torch_device)
 
 
-def _loader(data: Encoded, pad_id: int, device: Device, sampler: PlannedBatches):
+def _loader(data: Encoded, pad_id: int, device: Device,
+            sampler: PlannedBatches) -> torch.utils.data.DataLoader[int]:
     settings = loader_settings(device)
     return torch.utils.data.DataLoader(
-        range(len(data)),
+        range(len(data)),  # type: ignore[arg-type]  # any sequence is a map-style dataset
         batch_sampler=sampler,
         collate_fn=Collator(data, pad_id),
         num_workers=settings.num_workers,

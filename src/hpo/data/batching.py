@@ -13,10 +13,14 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from hpo.data.tasks import Example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Each epoch is sorted by length times a random factor within 1 +- LENGTH_NOISE (the noise of
 # AllenNLP's bucket sampler): samples within about a tenth of each other's length trade places
@@ -122,7 +126,8 @@ def labels_of(examples: Sequence[Example]) -> torch.Tensor:
     return torch.tensor([e.labels for e in examples], dtype=torch.float32)
 
 
-def encode(tokenizer, examples: Sequence[Example], max_length: int) -> Encoded:
+def encode(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+           max_length: int) -> Encoded:
     texts = [e.text for e in examples]
     pairs = [e.text_pair for e in examples]
     has_pairs = any(p is not None for p in pairs)
@@ -195,13 +200,14 @@ class Collator:
         width = padded_width(max(lengths[i] for i in indices), multiple, self.data.longest)
         ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(indices), width), dtype=torch.long)
-        types = None if self.data.token_types is None else torch.zeros_like(ids)
+        token_types = self.data.token_types
+        types = None if token_types is None else torch.zeros_like(ids)
         for row, i in enumerate(indices):
             start, end = bounds[i], bounds[i + 1]
             ids[row, : end - start] = self.data.tokens[start:end]
             mask[row, : end - start] = 1
-            if types is not None:
-                types[row, : end - start] = self.data.token_types[start:end]
+            if types is not None and token_types is not None:
+                types[row, : end - start] = token_types[start:end]
         batch = {"input_ids": ids, "attention_mask": mask, "labels": self.data.labels[indices]}
         if types is not None:
             batch["token_type_ids"] = types

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -29,6 +30,9 @@ from safetensors.torch import load_file, save_file
 
 from hpo.data.batching import Encoded, encode, labels_of
 from hpo.data.tasks import Example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FORMAT = 1  # part of every key: bump it when `encode` changes what it produces
 log = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ def default_dir() -> Path | None:
     return Path(base) / "hpo" / "tokens"
 
 
-def tokenizer_fingerprint(tokenizer) -> str | None:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """A hash of the tokenizer's whole pipeline; None for a tokenizer without a serializable
     backend (those are not cached on disk)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -66,7 +70,8 @@ def entry_key(tokenizer_hash: str, examples: Sequence[Example], max_length: int)
 
 
 def cached_encode(
-    tokenizer, examples: Sequence[Example], max_length: int, directory: Path | None
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int,
+    directory: Path | None,
 ) -> tuple[Encoded, bool]:
     """`encode`, through the disk cache in `directory` (None: no disk cache). Returns the
     encoded examples and whether they came from the cache."""
