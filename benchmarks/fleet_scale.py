@@ -130,9 +130,10 @@ def fleet_worker(url: str, trials: int, reports, go, release) -> None:
     reports.put(("opened", None))
     go.wait()
 
-    def run_trial(study, live):
-        value = objective(live.trial)
-        return Outcome(TrialState.COMPLETE, value=value), study.tell(live.trial, value)
+    def run_trial(context):
+        value = objective(context.trial)
+        return Outcome(TrialState.COMPLETE, value=value), context.study.tell(context.trial,
+                                                                             value)
 
     try:
         result = run_worker(study, storage, run_trial, _Quiet(), n_trials=trials,
@@ -276,11 +277,11 @@ def claims(sizes: list[int], per_size: int = 50) -> None:
             ) for _ in range(max(0, size - have))])
             marks: list[tuple[float, float, float]] = []  # start, before tell, end
 
-            def run_trial(study, live, marks=marks):
+            def run_trial(context, marks=marks):
                 start = time.perf_counter()
-                value = objective(live.trial)
+                value = objective(context.trial)
                 before_tell = time.perf_counter()
-                frozen = study.tell(live.trial, value)
+                frozen = context.study.tell(context.trial, value)
                 marks.append((start, before_tell, time.perf_counter()))
                 return Outcome(TrialState.COMPLETE, value=value), frozen
 

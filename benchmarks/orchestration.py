@@ -56,9 +56,10 @@ def hpo_worker(url: str, trials: int, start) -> None:
     study = optuna.create_study(study_name="bench", storage=storage, load_if_exists=True,
                                 sampler=optuna.samplers.RandomSampler())
 
-    def run_trial(study: optuna.Study, live):
-        value = objective(live.trial)
-        return Outcome(TrialState.COMPLETE, value=value), study.tell(live.trial, value)
+    def run_trial(context):
+        value = objective(context.trial)
+        return Outcome(TrialState.COMPLETE, value=value), context.study.tell(context.trial,
+                                                                             value)
 
     class Quiet:
         def message(self, text: str) -> None: ...

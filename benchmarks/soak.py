@@ -3,7 +3,7 @@ polling alongside, then the checks a fleet must pass whatever happened on the wa
 
     python benchmarks/soak.py                          # 4 workers, 30 minutes, seed 0
     python benchmarks/soak.py --minutes 180 --seed 7   # hours, another random schedule
-    python benchmarks/soak.py --minutes 3 --workers 3  # the CI soak (tests/test_soak.py)
+    python benchmarks/soak.py --minutes 3 --workers 3  # the CI soak (tests/system/test_soak.py)
 
 The study is the demo's on its tiny model (trials of a second or two, so a soak sees hundreds),
 keeping its 3 best models in an artifact directory. Each worker is `hpo run` in a process of its

@@ -60,11 +60,11 @@ def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
         study.enqueue_trial({"x": x / 10})
     errors: list[BaseException] = []
 
-    def slow(study: optuna.Study, live):
-        trial = live.trial
+    def slow(context):
+        trial = context.trial
         trial.suggest_float("x", 0.0, 1.0)
         time.sleep(0.5)  # long enough that every worker claims while the others run
-        return Outcome(TrialState.COMPLETE, value=0.5), study.tell(trial, 0.5)
+        return Outcome(TrialState.COMPLETE, value=0.5), context.study.tell(trial, 0.5)
 
     def worker() -> None:
         storage = open_storage(pg_url)

@@ -1,7 +1,8 @@
 """Deployment files: docker-compose.yml with its GPU override (what `docker compose up` reads)
 and with docker-compose.cpu.yml, as `docker-compose config` resolves them, the Kubernetes
 manifests against the API schemas (kubernetes-validate bundles them: no cluster, no network),
-and the Dockerfile. No Docker engine is needed: test_deploy_fleet.py builds and runs them."""
+and the Dockerfile. No Docker engine is needed: tests/system/test_deploy_fleet.py builds and
+runs them."""
 
 from __future__ import annotations
 

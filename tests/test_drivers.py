@@ -1,6 +1,7 @@
 """The training drivers: a trial's value from its best or last epoch, the pruner asked after
-each epoch but the last, K folds with one batch search, a compiler failure trained eagerly.
-Real training of tiny models through `hpo run`."""
+each epoch but the last, K folds with one batch search, a compiler failure trained eagerly
+(real training of tiny models through `hpo run`); the best epoch's weights and the scorer
+(in milliseconds, on fakes)."""
 
 import optuna
 import pytest
@@ -80,3 +81,60 @@ def test_a_cross_validated_trial_is_pruned_after_its_first_fold(one_model_study,
     assert trial.state == TrialState.PRUNED and trial.user_attrs["prune_reason"] == "pruner"
     assert list(trial.intermediate_values) == [1]
     assert len(trial.user_attrs["fold_scores"]) == 1
+
+
+def _linear(weight: float):
+    import torch
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(weight)
+    return model
+
+
+def test_best_epoch_puts_the_best_epochs_weights_back():
+    from hpo.drivers import BestEpoch
+
+    model = _linear(1.0)
+    best = BestEpoch(model, "best", epochs=3)
+    best.after_epoch(1, [0.5])  # the best so far: copied
+    model.weight.data.fill_(2.0)
+    best.after_epoch(2, [0.5, 0.4])  # worse: not copied
+    model.weight.data.fill_(3.0)
+    best.after_epoch(3, [0.5, 0.4, 0.3])  # the last: the model's own, never copied
+    assert best.restore([0.5, 0.4, 0.3]) == 0
+    assert model.weight.item() == 1.0
+
+
+def test_best_epoch_keeps_the_last_epochs_weights_when_they_are_the_value():
+    from hpo.drivers import BestEpoch
+
+    for rule, values in (("best", [0.3, 0.5]), ("last", [0.5, 0.3])):
+        model = _linear(1.0)
+        best = BestEpoch(model, rule, epochs=2)
+        best.after_epoch(1, values[:1])
+        model.weight.data.fill_(2.0)
+        best.after_epoch(2, values)
+        assert best.restore(values) == 1 and model.weight.item() == 2.0
+
+
+def test_the_scorer_scores_at_threshold_one_half_and_returns_the_objective(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpo import drivers
+
+    probabilities = torch.tensor([[0.9, 0.1], [0.6, 0.7], [0.2, 0.4]])
+    monkeypatch.setattr(drivers, "predict", lambda *_args: probabilities)
+    resources = SimpleNamespace(label_names=("a", "b"), device=None,
+                                config=SimpleNamespace(study=SimpleNamespace(
+                                    objective="micro_f1")))
+    plan = SimpleNamespace(eval_batch=4, precision="none")
+    gold = torch.tensor([[1, 0], [1, 0], [0, 1]])
+    into: list = []
+    evaluate = drivers.scorer(resources, plan, None, gold, 0, into)
+    value = evaluate(torch.nn.Identity())
+    # Predicted a; a and b; nothing, for a, a, b: a's F1 is 1, b's 0 (a false positive, a miss)
+    assert len(into) == 1 and into[0].per_label == {"a": 1.0, "b": 0.0}
+    assert value == into[0].micro_f1 == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))

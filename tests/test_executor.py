@@ -189,3 +189,51 @@ def test_every_end_of_a_trial_is_mapped_to_its_state_in_one_function():
                  optuna.exceptions.UpdateFinishedTrialError("finished")):
         outcome = outcome_of(3, lost)
         assert outcome.state == TrialState.FAIL and outcome.dropped.startswith("trial 3 was ")
+
+
+def _context(study: optuna.Study | None = None):
+    from hpo.context import TrialContext
+    from hpo.liveness import LiveTrial
+    from hpo.study import StudyBatchCache
+
+    study = study or optuna.create_study()
+    return TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), reporter=None)
+
+
+def test_tell_prunes_an_oom_and_lowers_the_studys_batch_limit_for_what_it_tried():
+    from hpo.executor import tell
+    from hpo.memory import BatchLimit
+    from hpo.outcome import Outcome
+
+    context = _context()
+    context.cache.update("m|bf16", BatchLimit(8))
+    outcome = Outcome(TrialState.PRUNED, prune_reason="oom", error="out of memory")
+    told, frozen = tell(context, outcome, tried=("m|bf16", 12))
+    assert told == outcome and frozen.state == TrialState.PRUNED
+    assert context.cache.get("m|bf16") == BatchLimit(8, 12)
+    assert frozen.user_attrs["batch_limit_after_oom"] == BatchLimit(8, 12).to_json()
+    assert frozen.user_attrs["prune_reason"] == "oom"
+
+
+def test_tell_leaves_the_batch_limit_alone_when_a_trial_fails_otherwise():
+    from hpo.executor import tell
+    from hpo.memory import BatchLimit
+    from hpo.outcome import Outcome
+
+    context = _context()
+    outcome = Outcome(TrialState.FAIL, error="ValueError: broken")
+    told, frozen = tell(context, outcome, tried=("m|bf16", 12), failed_at="Traceback ...")
+    assert frozen.state == TrialState.FAIL and told.dropped is None
+    assert context.cache.get("m|bf16") == BatchLimit()
+    assert frozen.user_attrs["traceback"] == "Traceback ..."
+
+
+def test_tell_drops_the_result_of_a_trial_reaped_with_no_copy_to_carry_it():
+    from hpo.executor import tell
+    from hpo.outcome import Outcome
+
+    context = _context()
+    context.study.tell(context.trial, state=TrialState.FAIL)  # as the reaper does
+    told, frozen = tell(context, Outcome(TrialState.COMPLETE, value=0.5))
+    assert told.dropped and "was reaped while it ran" in told.dropped
+    assert frozen.state == TrialState.FAIL and frozen.value is None

@@ -12,14 +12,15 @@ import pytest
 from conftest import Quiet, freeze_counts, start_worker, trial_states
 from optuna.trial import TrialState
 
-from hpo import worker
+from hpo import report, worker
 from hpo.cli import main
 from hpo.config import load
 from hpo.errors import Terminated
 from hpo.outcome import Outcome
+from hpo.report import below_baseline_warning
 from hpo.storage import open_storage
 from hpo.study import make_sampler
-from hpo.worker import WorkerStopped, below_baseline_warning, run_worker
+from hpo.worker import WorkerStopped, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -27,11 +28,12 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 def ending_in(state: TrialState):
     """A trial runner that ends every trial in `state` at once, with no training."""
 
-    def run(study: optuna.Study, live):
-        trial = live.trial
+    def run(context):
+        trial = context.trial
         trial.suggest_float("x", 0.0, 1.0)
         value = 0.5 if state == TrialState.COMPLETE else None
-        return Outcome(state, value=value, error="broken"), study.tell(trial, value, state=state)
+        return Outcome(state, value=value, error="broken"), context.study.tell(trial, value,
+                                                                               state=state)
 
     return run
 
@@ -73,8 +75,8 @@ def test_an_interrupted_trial_is_failed_with_the_reason_and_requeued_at_once(tmp
                            grace_period=120)
     study = optuna.create_study(study_name="w", storage=storage)
 
-    def interrupted(study, live):
-        live.trial.suggest_float("x", 0.0, 1.0)
+    def interrupted(context):
+        context.trial.suggest_float("x", 0.0, 1.0)
         raise stop()
 
     reporter = Quiet()
@@ -97,7 +99,7 @@ def test_an_interrupted_trial_whose_retries_are_used_up_stays_failed(tmp_path):
                            grace_period=120, max_retry=0)
     study = optuna.create_study(study_name="w", storage=storage)
 
-    def interrupted(study, live):
+    def interrupted(context):
         raise KeyboardInterrupt
 
     reporter = Quiet()
@@ -217,7 +219,7 @@ def test_the_pace_of_a_study_gives_the_time_left():
     assert pace.progress(20, 20) == "  20/20 trials finished"
     assert pace.progress(7, float("inf")) == "  7 trials finished"
     assert [worker.duration(s) for s in (42, 600, 7200)] == ["42 s", "10 min", "2.0 h"]
-    assert [worker.plural(n, "trial") for n in (0, 1, 2)] == ["0 trials", "1 trial", "2 trials"]
+    assert [report.plural(n, "trial") for n in (0, 1, 2)] == ["0 trials", "1 trial", "2 trials"]
 
 
 def test_the_precision_decision_names_fp32_and_keeps_the_rule_for_verbose():
@@ -226,16 +228,16 @@ def test_the_precision_decision_names_fp32_and_keeps_the_rule_for_verbose():
     pinned = PinnedSpace({"fp_precision": "auto"}, ("bf16",), {
         "by": "cost", "tolerance": 0.1,
         "dropped": {"none": "its step took 1.18x bf16's, summed over 2 model(s)"}})
-    assert worker.describe_decision(pinned) == (
+    assert report.describe_decision(pinned) == (
         "precisions searched: bf16; fp32 left out (its step took 1.18x bf16's, summed over "
         "2 model(s))")
-    assert "study.precision_tolerance 0.1" in worker.describe_decision(pinned, verbose=True)
+    assert "study.precision_tolerance 0.1" in report.describe_decision(pinned, verbose=True)
     # A decision the timed rounds' spread leaves unsettled says so, with why.
     why = ("its step took 1.12x bf16's, within the timed rounds' spread (+/-6%) of the "
            "tolerance's 1.10x: another run may keep it")
     unsettled = PinnedSpace(pinned.declared, pinned.fp_precision,
                             {**pinned.decided, "unsettled": {"none": why}})
-    assert worker.describe_decision(unsettled).endswith(f"; unsettled: fp32 {why}")
+    assert report.describe_decision(unsettled).endswith(f"; unsettled: fp32 {why}")
 
 
 def wait_for(condition, seconds: float = 180) -> None:

@@ -114,7 +114,7 @@ def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, 
     if fresh:
         optuna_study.set_user_attr(check_module.key(device), None)
     # As in a worker: the imported modules and loaded models out of the collector's sight, so
-    # the check's collections between combinations (0.2 s each unfrozen) walk only its own.
+    # the check's collections between combinations walk only its own objects.
     with memory.long_lived_frozen():
         verdicts = check_module.ensure(optuna_study, resources, precisions, ConsoleReporter())
     usable = sum(v.usable for v in verdicts)

@@ -1,35 +1,45 @@
 """The training drivers of a planned trial: one model (`train_trial`), or one per fold of
-`data.cv_folds` (`train_folds`), reporting to the pruner as they go. Both score the
-validation split with `scorer`; `train_trial` and `hpo final` keep the weights of the epoch
-the trial's value comes from with `BestEpoch`.
+`data.cv_folds` (`train_folds`), reporting to the pruner as they go. A driver returns what it
+trained (`Trained`); whether the model is kept is the executor's to decide.
 
-A driver writes to the trial through `liveness.write_kept`, and so through a `LiveTrial`:
-a trial reaped while it ran goes on as its retry copy.
+`fit` is the one wiring of a model's training, for a trial and for `hpo final`'s runs alike:
+built, prepared for the device, trained, scored on the validation split after each epoch
+(`scorer`) and, where asked, put back to the weights of the epoch the study's rule chooses
+(`BestEpoch`).
+
+A driver writes to the trial through its context (`TrialContext.write`): a trial reaped
+while it ran goes on as its retry copy.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
 
 import optuna
 import torch
 
 from hpo import adapters, memory, metrics, records
+from hpo.config import TrainingConfig
+from hpo.context import TrialContext
 from hpo.data.batching import Encoded
-from hpo.liveness import LiveTrial, Lock, write_kept
-from hpo.planning import TrialPlan
+from hpo.models import ModelStore
+from hpo.planning import PlannedTrial
 from hpo.resources import Resources
 from hpo.train import Plan, Progress, loss_pos_weight, predict, prepare, train
 
 
-class Reporter(Protocol):
-    def step(self, number: int, progress: Progress, epochs: int) -> None: ...
-    def epoch(self, number: int, epoch: int, epochs: int, score: float) -> None: ...
-    def warning(self, text: str) -> None: ...
-    def message(self, text: str) -> None: ...
+@dataclass(frozen=True)
+class Trained:
+    """What a driver trained: the trial's value and, for a single model, the model holding
+    the weights of `epoch` (1-based): the value's epoch where `BestEpoch` kept it, else the
+    last."""
+
+    value: float
+    model: torch.nn.Module | None = None
+    epoch: int = 0
 
 
 def scorer(resources: Resources, plan: Plan, data: Encoded, gold: torch.Tensor, pad_id: int,
@@ -72,74 +82,106 @@ class BestEpoch:
         return chosen
 
 
-def train_trial(live: LiveTrial, planned: TrialPlan, resources: Resources, reporter: Reporter,
-                lock: Lock = contextlib.nullcontext) -> float:
-    """Train the planned trial, reporting each epoch's value for pruning; returns its value:
-    the best or the last epoch's score (`study.objective_epoch`). The pruner sees the same
-    rule applied to the epochs so far, so it compares what the trial's value would be. The
-    model of the value's epoch is kept if it ranks in the study's best (`study.keep_best`)."""
-    plan, device = planned.plan, resources.device
+def fit(models: ModelStore, model_name: str, training: TrainingConfig, plan: Plan,
+        resources: Resources, data: Encoded, pad_id: int,
+        evaluate: Callable[[torch.nn.Module], float], scores: list[metrics.Scores], *,
+        snapshot: bool, on_epoch: Callable[[int, float], None],
+        on_step: Callable[[Progress], None],
+        on_built: Callable[[torch.nn.Module, torch.nn.Module, float], None] | None = None,
+        ) -> tuple[torch.nn.Module, int]:
+    """Train a fresh `model_name` from `models` on `data`, calling `evaluate` (which appends
+    to `scores`) after each epoch. `on_built` hears the built model, the one prepared for
+    the device (compiled, perhaps) and the seconds both took. Returns the built model and the
+    epoch (1-based) whose weights it holds: with `snapshot`, the one the study's rule
+    (`study.objective_epoch`) chooses by `scores`, else the last."""
     began = time.perf_counter()
-    base = adapters.build(resources.models, planned.params.model_name,
-                          planned.train_data.labels.shape[1], planned.training, plan.precision)
-    model = prepare(base, plan, device)
-    records.record_model(live.trial, base, device.type, time.perf_counter() - began)
+    base = adapters.build(models, model_name, data.labels.shape[1], training, plan.precision)
+    model = prepare(base, plan, resources.device)
+    if on_built is not None:
+        on_built(base, model, time.perf_counter() - began)
+    objective = resources.config.study.objective
+    best = (BestEpoch(base, resources.config.study.objective_epoch, plan.epochs) if snapshot
+            else None)
+
+    def epoch_done(epoch: int, score: float) -> None:
+        if best is not None:
+            best.after_epoch(epoch, [s.get(objective) for s in scores])
+        on_epoch(epoch, score)
+
+    train(model, data, plan, resources.device, pad_id=pad_id, evaluate=evaluate,
+          on_epoch=epoch_done, on_step=on_step,
+          pos_weight=loss_pos_weight(training.pos_weight, data.labels))
+    del model
+    if best is None:
+        return base, plan.epochs
+    return base, best.restore([s.get(objective) for s in scores]) + 1
+
+
+def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
+    """Train the planned trial, reporting each epoch's value for pruning; its value is the
+    best or the last epoch's score (`study.objective_epoch`). The pruner sees the same rule
+    applied to the epochs so far, so it compares what the trial's value would be. Where the
+    study keeps its best models, the model returned holds the value epoch's weights."""
+    plan, reporter = planned.plan, context.reporter
     objective = resources.config.study.objective
     rule = resources.config.study.objective_epoch
     scores: list[metrics.Scores] = []
     evaluate = scorer(resources, plan, planned.validation_data, resources.gold(),
                       planned.pad_id, scores)
-    keeper = resources.keeper
-    best = BestEpoch(base, rule, plan.epochs) if keeper is not None else None
+    prepared: list[torch.nn.Module] = []  # for the compiler's failure, once built
     progress: Progress | None = None
-
-    def values() -> list[float]:
-        return [s.get(objective) for s in scores]
+    warned: str | None = None
 
     def value() -> float:
-        return values()[metrics.chosen_epoch(values(), rule)]
+        values = [s.get(objective) for s in scores]
+        return values[metrics.chosen_epoch(values, rule)]
+
+    def on_built(base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
+        nonlocal warned
+        prepared.append(model)
+        records.record_model(context.trial, base, resources.device.type, seconds)
+        warned = records.warn_eager(context.trial.number, model, reporter, None)
 
     def on_epoch(epoch: int, score: float) -> None:
-        reporter.epoch(live.trial.number, epoch, plan.epochs, score)
-        if best is not None:
-            best.after_epoch(epoch, values())
-        write_kept(live, lambda trial: trial.report(value(), epoch), lock)
+        reporter.epoch(context.trial.number, epoch, plan.epochs, score)
+        context.write(lambda trial: trial.report(value(), epoch))
         # After the last epoch the compute is spent: the result is kept, not pruned.
-        if epoch < plan.epochs and live.trial.should_prune():
+        if epoch < plan.epochs and context.trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
 
     def on_step(latest: Progress) -> None:
         nonlocal progress
         progress = latest
-        reporter.step(live.trial.number, latest, plan.epochs)
+        reporter.step(context.trial.number, latest, plan.epochs)
 
-    warned = records.warn_eager(live.trial.number, model, reporter, None)
     try:
-        train(model, planned.train_data, plan, device, pad_id=planned.pad_id,
-              evaluate=evaluate, on_epoch=on_epoch, on_step=on_step,
-              pos_weight=loss_pos_weight(planned.training.pos_weight,
-                                         planned.train_data.labels))
+        model, epoch = fit(resources.models, planned.params.model_name, planned.training,
+                           plan, resources, planned.train_data, planned.pad_id, evaluate,
+                           scores, snapshot=resources.keeper is not None, on_epoch=on_epoch,
+                           on_step=on_step, on_built=on_built)
     finally:
-        records.warn_eager(live.trial.number, model, reporter, warned)
-        write_kept(live, lambda trial: records.record_progress(trial, progress, scores,
-                                                               objective, rule, model), lock)
-    if best is not None and keeper is not None:
-        chosen = best.restore(values())
-        records.keep(live.trial, planned, resources, keeper, base, value(), chosen + 1,
-                     reporter, lock)
-    return value()
+        if prepared:
+            records.warn_eager(context.trial.number, prepared[0], reporter, warned)
+            context.write(lambda trial: records.record_progress(
+                trial, progress, scores, objective, rule, prepared[0]))
+    return Trained(value(), model, epoch)
 
 
-def train_folds(live: LiveTrial, planned: TrialPlan, resources: Resources, reporter: Reporter,
-                lock: Lock = contextlib.nullcontext) -> float:
+def _report(trial: optuna.Trial, value: float, step: int) -> None:
+    trial.report(value, step)
+
+
+def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
     """Train the planned trial once per fold of `data.cv_folds` (one batch search for all,
-    done in planning); returns the mean of the folds' scores, each its best or last epoch's
-    (`study.objective_epoch`). The mean so far is reported after each fold, so the pruner
-    can stop a poor configuration after its first folds."""
-    plan, device = planned.plan, resources.device
+    done in planning); its value is the mean of the folds' scores, each its best or last
+    epoch's (`study.objective_epoch`). The mean so far is reported after each fold, so the
+    pruner can stop a poor configuration after its first folds. No model is returned: none
+    of the folds' is the trial's."""
+    plan, device, reporter = planned.plan, resources.device, context.reporter
     objective = resources.config.study.objective
     rule = resources.config.study.objective_epoch
     k = resources.config.data.cv_folds
+    assert k is not None  # the executor runs this driver only with folds
     fold_scores: list[float] = []
     fold_epochs: list[int] = []
     progress: Progress | None = None
@@ -149,50 +191,42 @@ def train_folds(live: LiveTrial, planned: TrialPlan, resources: Resources, repor
     def on_step(latest: Progress) -> None:
         nonlocal progress
         progress = latest
-        reporter.step(live.trial.number, latest, plan.epochs)
-
-    def record(trial: optuna.Trial) -> None:
-        trial.set_user_attr("fold_scores", [round(v, 4) for v in fold_scores])
-        trial.set_user_attr("fold_value_epochs", fold_epochs)
-        trial.set_user_attr("train_seconds", round(seconds, 3))
-        if progress is not None:  # of the last fold
-            records.record_speed(trial, progress)
-        if plan.compile:
-            records.record_compiled(trial, compile_failure)
+        reporter.step(context.trial.number, latest, plan.epochs)
 
     try:
         for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
-            began = time.perf_counter()
-            base = adapters.build(resources.models, planned.params.model_name,
-                                  fold.train.labels.shape[1], planned.training, plan.precision)
-            model = prepare(base, plan, device)
-            if index == 1:  # the first fold's, as every fold builds the same model
-                records.record_model(live.trial, base, device.type,
-                                     time.perf_counter() - began)
             scores: list[metrics.Scores] = []
-            train(model, fold.train, plan, device, pad_id=planned.pad_id,
-                  evaluate=scorer(resources, plan, fold.validation, fold.gold, planned.pad_id,
-                                  scores),
-                  on_epoch=lambda epoch, score: reporter.epoch(live.trial.number, epoch,
-                                                               plan.epochs, score),
-                  on_step=on_step,
-                  pos_weight=loss_pos_weight(planned.training.pos_weight, fold.train.labels))
+            built: list[torch.nn.Module] = []
+
+            def on_built(base: torch.nn.Module, model: torch.nn.Module, took: float,
+                         first: bool = index == 1, built: list = built) -> None:
+                built.append(model)
+                if first:  # the first fold's, as every fold builds the same model
+                    records.record_model(context.trial, base, device.type, took)
+
+            fit(resources.models, planned.params.model_name, planned.training, plan, resources,
+                fold.train, planned.pad_id,
+                scorer(resources, plan, fold.validation, fold.gold, planned.pad_id, scores),
+                scores, snapshot=False,
+                on_epoch=lambda epoch, score: reporter.epoch(context.trial.number, epoch,
+                                                             plan.epochs, score),
+                on_step=on_step, on_built=on_built)
             compile_failure = compile_failure or records.warn_eager(
-                live.trial.number, model, reporter, compile_failure)
+                context.trial.number, built[0], reporter, compile_failure)
             seconds += progress.train_seconds if progress is not None else 0.0
-            del model, base
+            built.clear()  # the fold's model, let go before the next is built
             memory.release_memory()
             values = [s.get(objective) for s in scores]
             fold_epochs.append(metrics.chosen_epoch(values, rule) + 1)
             fold_scores.append(values[fold_epochs[-1] - 1])
             mean = sum(fold_scores) / len(fold_scores)
-            reporter.message(f"  trial {live.trial.number} fold {index}/{k}: score "
+            reporter.message(f"  trial {context.trial.number} fold {index}/{k}: score "
                              f"{fold_scores[-1]:.4f} (mean so far {mean:.4f})")
-            write_kept(live, lambda trial, mean=mean, step=index: trial.report(mean, step),
-                       lock)
+            context.write(functools.partial(_report, value=mean, step=index))
             # After the last fold the compute is spent: the result is kept, not pruned.
-            if index < k and live.trial.should_prune():
+            if index < k and context.trial.should_prune():
                 raise optuna.TrialPruned(f"pruned after fold {index}")
     finally:
-        write_kept(live, record, lock)
-    return sum(fold_scores) / len(fold_scores)
+        context.write(lambda trial: records.record_folds(
+            trial, fold_scores, fold_epochs, seconds, progress, compile_failure, plan.compile))
+    return Trained(sum(fold_scores) / len(fold_scores))

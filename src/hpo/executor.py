@@ -13,27 +13,19 @@ import signal
 import time
 import traceback
 from dataclasses import replace
-from typing import Protocol
 
 import optuna
-import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import check, faults, memory, records
-from hpo.drivers import Reporter as DriverReporter
-from hpo.drivers import train_folds, train_trial
+from hpo.context import TrialContext
+from hpo.drivers import Trained, train_folds, train_trial
 from hpo.errors import Terminated, one_line
-from hpo.liveness import LiveTrial, write_kept
 from hpo.outcome import INTERRUPTED, ChildDied, GivenBack, Outcome, Reaped
-from hpo.planning import TrialPlan, Watch, plan_trial, unwatched
+from hpo.planning import PlannedTrial, plan_trial
 from hpo.resources import Resources
-from hpo.space import Params
-from hpo.study import StudyBatchCache
-from hpo.train import NonFiniteLoss, Plan
-
-
-class Reporter(DriverReporter, Protocol):
-    def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None: ...
+from hpo.space import Params, suggest
+from hpo.train import NonFiniteLoss
 
 
 def outcome_of(number: int, ended: BaseException | None, value: float | None = None
@@ -89,82 +81,75 @@ def _death(died: ChildDied) -> Outcome:
                          f"{died.tried[1]}")
 
 
-def execute(
-    study: optuna.Study, live: LiveTrial, resources: Resources, reporter: Reporter,
-    cache: StudyBatchCache, watch: Watch = unwatched,
-) -> tuple[Outcome, FrozenTrial]:
-    """Run one trial to its end and tell the study how it ended; `cache` is the study's
-    batch cache, `watch` hears what the trial is about to try."""
+def execute(context: TrialContext, resources: Resources, params: Params | None = None
+            ) -> tuple[Outcome, FrozenTrial]:
+    """Run one trial to its end, keep its model if it ranks in the study's best, and tell
+    the study how it ended. Its parameters are sampled here, unless a parent that isolates
+    the trial sampled them already (`params`)."""
     started = time.perf_counter()
-    trial = live.trial
-    planned: TrialPlan | None = None
+    trial = context.trial
+    planned: PlannedTrial | None = None
     ended: BaseException | None = None
-    value: float | None = None
+    trained: Trained | None = None
     device_memory = memory.device_memory(resources.device)
     try:
         records.record_start(trial, resources)
-        planned = plan_trial(trial, resources, cache, watch)
+        params = params if params is not None else suggest(trial, resources.pinned)
+        planned = plan_trial(context, params, resources)
         memory.restart_peak(resources.device)
         records.record_plan(trial, planned)
-        reporter.trial_started(trial.number, planned.params, planned.plan, planned.probes)
-        watch(planned.batch_key, planned.plan.physical_batch)
+        context.reporter.trial_started(trial.number, params, planned.plan, planned.probes)
+        context.watch(planned.batch_key, planned.plan.physical_batch)
         run = train_folds if resources.config.data.cv_folds else train_trial
-        value = run(live, planned, resources, reporter, cache.lock)
+        trained = run(context, planned, resources)
+        if resources.keeper is not None and trained.model is not None:
+            records.keep(context, planned, resources, resources.keeper, trained.model,
+                         trained.value, trained.epoch)
     except Exception as exc:
         ended = exc
+    value = trained.value if trained is not None else None
     outcome = outcome_of(trial.number, ended, value)
     failed_at = None
     if ended is not None and outcome.state == TrialState.FAIL and not outcome.dropped:
         failed_at = "".join(traceback.format_exception(ended))[-4000:]
-    # Outside the except block, the exception and its traceback gone: nothing holds the
-    # failed step's tensors.
-    del ended
+    # Outside the except block, the exception and its traceback gone, and the trained model
+    # let go: nothing holds the model's or a failed step's tensors.
+    del ended, trained
     memory.release_memory()
     device_memory = memory.after_trial(resources.device, device_memory)
     if outcome.dropped:
-        return outcome, _stored(live)
+        return outcome, _stored(context)
     tried = (planned.batch_key, planned.plan.physical_batch) if planned is not None else None
-    return tell(study, live, outcome, cache, tried=tried, failed_at=failed_at,
-                started=started, device_memory=device_memory)
+    return tell(context, outcome, tried=tried, failed_at=failed_at, started=started,
+                device_memory=device_memory)
 
 
-def _stored(live: LiveTrial) -> FrozenTrial:
-    return live.trial.storage.get_trial(live.trial._trial_id)
+def _stored(context: TrialContext) -> FrozenTrial:
+    return context.trial.storage.get_trial(context.trial._trial_id)
 
 
-def tell(study: optuna.Study, live: LiveTrial, outcome: Outcome, cache: StudyBatchCache, *,
-         tried: tuple[str, int] | None = None, failed_at: str | None = None,
-         started: float | None = None, device_memory: memory.DeviceMemory | None = None,
-         ) -> tuple[Outcome, FrozenTrial]:
+def tell(context: TrialContext, outcome: Outcome, *, tried: tuple[str, int] | None = None,
+         failed_at: str | None = None, started: float | None = None,
+         device_memory: memory.DeviceMemory | None = None) -> tuple[Outcome, FrozenTrial]:
     """Tell the study the trial's outcome, with its reason and error recorded. An OOM lowers
     the study's batch limit for the micro-batch it `tried`. If the trial was reaped
     meanwhile, the outcome goes to its retry copy (`kept_from`), or nowhere (`dropped`)."""
 
     def finish(trial: optuna.Trial) -> FrozenTrial:
+        lowered = None
         if outcome.prune_reason == "oom" and tried is not None:
-            lowered = cache.lower(*tried)
-            trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
-        if outcome.prune_reason:
-            trial.set_user_attr("prune_reason", outcome.prune_reason)
-        if outcome.error:
-            trial.set_user_attr("error", outcome.error)
-        if failed_at:
-            trial.set_user_attr("traceback", failed_at)
-        for name, mib in (device_memory.to_attrs() if device_memory else {}).items():
-            trial.set_user_attr(name, round(mib, 1))
-        if started is not None:
-            trial.set_user_attr("worker_rss_mb",
-                                round(psutil.Process().memory_info().rss / 2**20, 1))
-            trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
+            lowered = context.cache.lower(*tried)
+        records.record_end(trial, outcome, lowered=lowered, failed_at=failed_at,
+                           device_memory=device_memory, started=started)
         faults.kill_at("tell")
-        return study.tell(trial, outcome.value, state=outcome.state)
+        return context.study.tell(trial, outcome.value, state=outcome.state)
 
     try:
-        finished = write_kept(live, finish, cache.lock)
+        finished = context.write(finish)
     except Reaped as exc:
-        return replace(outcome, dropped=str(exc)), _stored(live)
-    if live.carried_over:
-        outcome = replace(outcome, kept_from=live.claimed_as)
+        return replace(outcome, dropped=str(exc)), _stored(context)
+    if context.live.carried_over:
+        outcome = replace(outcome, kept_from=context.live.claimed_as)
     return outcome, finished
 
 
@@ -181,11 +166,11 @@ def free(study: optuna.Study, trial: optuna.Trial, stop: KeyboardInterrupt) -> s
         before = storage.get_trial(trial._trial_id)
         if before.state.is_finished():
             return f"trial {number} had finished ({before.state.name}) before the interrupt"
-        trial.set_user_attr("error", outcome.error)
-        # `hpo status` counts a deliberate stop apart from failures (summary.interrupted).
-        trial.set_user_attr("interrupted", True)
+        records.record_stopped(trial, outcome.error, interrupted=True)
         study.tell(trial, state=outcome.state)
-        retry = storage.get_heartbeat_stale_trial_callback()
+        # A trial holds its RDB storage through Optuna's cache wrapper, whose heartbeat base
+        # class is private: ask for the callback by name.
+        retry = getattr(storage, "get_heartbeat_stale_trial_callback", lambda: None)()
         if retry is not None:
             retry(study, before)
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
@@ -200,5 +185,5 @@ def free(study: optuna.Study, trial: optuna.Trial, stop: KeyboardInterrupt) -> s
 def give_back(study: optuna.Study, trial: optuna.Trial, why: GivenBack) -> None:
     """A claim that would overshoot the budget, ended as `outcome_of` says."""
     outcome = outcome_of(trial.number, why)
-    trial.set_user_attr("error", outcome.error)
+    records.record_stopped(trial, outcome.error, interrupted=False)
     study.tell(trial, state=outcome.state)

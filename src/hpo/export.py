@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from hpo import adapters
 from hpo.config import TrainingConfig, local_path
 from hpo.errors import ConfigError
+from hpo.final_report import FinalReport
 from hpo.models import config_of, resolve
 
 REPORT = "report.json"
@@ -40,7 +41,7 @@ def check_output(directory: Path) -> None:
                           f"({exc.strerror or exc})") from None
 
 
-def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
+def write(directory: Path, model: torch.nn.Module, report: FinalReport,
           label_names: tuple[str, ...]) -> None:
     """The final model with its report and model card, written beside `directory` and then
     put in its place: an earlier export is replaced whole, never mixed with this one. A
@@ -51,10 +52,9 @@ def write(directory: Path, model: torch.nn.Module, report: dict[str, Any],
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-        save_model(partial, model, report["params"]["model_name"], label_names,
-                   task=report["data"]["task"], max_length=report["data"]["max_length"],
-                   thresholds=report["exported"]["thresholds"])
-        (partial / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        save_model(partial, model, report.model_name, label_names, task=report.data.task,
+                   max_length=report.data.max_length, thresholds=report.exported.thresholds)
+        (partial / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         (partial / CARD).write_text(model_card(report))
         modes_like(partial, partial / REPORT)
         shutil.rmtree(directory, ignore_errors=True)
@@ -111,25 +111,16 @@ def _adapters(training: dict[str, Any], precision: str) -> str:
             f"weights, the head trained whole; ")
 
 
-def optimism_base(report: dict[str, Any]) -> float:
-    """The number the search's optimism is measured against: the mean test score over seeds
-    at threshold 0.5 (reports written before it was recorded: search value - optimism)."""
-    at_half = report["seed_spread"].get("test_at_0.5_" + report["objective"])
-    if at_half is not None:
-        return at_half["mean"]
-    return round(report["search_validation"] - report["optimism"], 4)
-
-
-def model_card(report: dict[str, Any]) -> str:
+def model_card(report: FinalReport) -> str:
     """The exported model's README.md: what it is and how to use it, its data and training,
     its test scores and its limits."""
     return _card_use(report) + _card_training(report) + _card_scores(report)
 
 
-def _card_use(report: dict[str, Any]) -> str:
-    model_name, exported = report["params"]["model_name"], report["exported"]
+def _card_use(report: FinalReport) -> str:
+    model_name = report.model_name
     base = f"base_model: {model_name}\n" if not local_path(model_name).exists() else ""
-    pairs = ("" if report["data"]["task"] == "multilabel" else
+    pairs = ("" if report.data.task == "multilabel" else
              "\nInputs are (post, criterion description) pairs, one per symptom, with one "
              "yes/no output (`nli_pairs`): see hpo's `data/tasks.py` for the descriptions.\n")
     return f"""---
@@ -141,12 +132,12 @@ pipeline_tag: text-classification
 - redsm5
 ---
 
-# {report['study']}: trial {report['trial']}, seed {exported['seed']}
+# {report.study}: trial {report.trial}, seed {report.exported.seed}
 
 A multi-label classifier of DSM-5 depression symptoms in posts, found by an hpo search
-(study `{report['study']}`, trial {report['trial']}) and trained again by `hpo final`. Each
+(study `{report.study}`, trial {report.trial}) and trained again by `hpo final`. Each
 label is a symptom; a post has a symptom when its sigmoid probability exceeds the symptom's
-threshold in `config.decision_thresholds` ({report['thresholds']}).
+threshold in `config.decision_thresholds` ({report.thresholds}).
 {pairs}
 ```python
 from transformers import pipeline
@@ -159,18 +150,18 @@ for scores in classify(["a post", "another post"]):  # per post, every symptom's
 """
 
 
-def _card_training(report: dict[str, Any]) -> str:
-    params, data, plan = report["params"], report["data"], report["plan"]
-    posts = data["posts"]
-    settings = "\n".join(f"- `{k}`: {v}" for k, v in params.items())
+def _card_training(report: FinalReport) -> str:
+    data, plan = report.data, report.plan
+    posts = data.posts
+    settings = "\n".join(f"- `{k}`: {v}" for k, v in report.params.items())
     refit = ("training and validation splits (--refit), for the epochs of the trial's value"
-             if report["refit"] else "training split; the epoch kept is the one the study's "
+             if report.refit else "training split; the epoch kept is the one the study's "
              "rule picks on the validation split")
     return f"""## Data
 
-`{data['dir']}`, task `{data['task']}`, split by post with seed {data['split_seed']}:
+`{data.dir}`, task `{data.task}`, split by post with seed {data.split_seed}:
 {posts['train']} training, {posts['validation']} validation and {posts['test']} test posts
-(the test post ids are in {REPORT}). Texts are cut at {data['max_length']} tokens.
+(the test post ids are in {REPORT}). Texts are cut at {data.max_length} tokens.
 
 ## Training
 
@@ -178,41 +169,41 @@ Trained on the {refit}. Settings (the trial's):
 
 {settings}
 
-Precision `{params['fp_precision']}` (autocast during training; weights saved in float32),
-{_adapters(report['training'], params['fp_precision'])}effective batch {plan['effective_batch']} =
-{plan['physical_batch']} x {plan['grad_accum_steps']} accumulation, {plan['epochs']} epoch(s),
-on {report['device']}.
+Precision `{report.precision}` (autocast during training; weights saved in float32),
+{_adapters(report.training, report.precision)}effective batch {plan.effective_batch} =
+{plan.physical_batch} x {plan.grad_accum_steps} accumulation, {plan.epochs} epoch(s),
+on {report.device}.
 
 """
 
 
-def _card_scores(report: dict[str, Any]) -> str:
-    exported, objective = report["exported"], report["objective"]
-    test_posts = report["data"]["posts"]["test"]
-    spread = report["seed_spread"]["test_" + objective]
-    intervals = exported["test_interval_95"]
+def _card_scores(report: FinalReport) -> str:
+    exported, objective = report.exported, report.objective
+    test_posts = report.data.posts["test"]
+    spread, at_half = report.test_spread, report.test_spread_at_half.mean
+    intervals = exported.test_interval_95
     rows = "\n".join(
-        f"| {name} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
-        f"{s['support']} | {s['threshold']:.2f} |"
-        for name, s in exported["per_symptom"].items())
+        f"| {name} | {s.precision:.3f} | {s.recall:.3f} | {s.f1:.3f} | "
+        f"{s.support} | {s.threshold:.2f} |"
+        for name, s in exported.per_symptom.items())
     return f"""## Scores on the held-out test split
 
 No trial of the search read the test split. The exported model was chosen among
-{len(report['runs'])} seed(s) by {exported['chosen_by']}.
+{len(report.runs)} seed(s) by {exported.chosen_by}.
 
 | | this model | 95% interval (bootstrap over posts) | at threshold 0.5 | trivial baseline |
 |---|---|---|---|---|
-| macro-F1 | {exported['test']['macro_f1']:.4f} | {intervals['macro_f1'][0]:.4f} to \
-{intervals['macro_f1'][1]:.4f} | {exported['test_at_0.5']['macro_f1']:.4f} | \
-{report['baseline']['macro_f1']:.4f} |
-| micro-F1 | {exported['test']['micro_f1']:.4f} | {intervals['micro_f1'][0]:.4f} to \
-{intervals['micro_f1'][1]:.4f} | {exported['test_at_0.5']['micro_f1']:.4f} | \
-{report['baseline']['micro_f1']:.4f} |
+| macro-F1 | {exported.test.macro_f1:.4f} | {intervals['macro_f1'][0]:.4f} to \
+{intervals['macro_f1'][1]:.4f} | {exported.test_at_half.macro_f1:.4f} | \
+{report.baseline.macro_f1:.4f} |
+| micro-F1 | {exported.test.micro_f1:.4f} | {intervals['micro_f1'][0]:.4f} to \
+{intervals['micro_f1'][1]:.4f} | {exported.test_at_half.micro_f1:.4f} | \
+{report.baseline.micro_f1:.4f} |
 
-Test {objective} over seeds: mean {spread['mean']:.4f}, standard deviation {spread['std']:.4f}.
-The search's validation {objective} for this trial was {report['search_validation']:.4f},
-{report['optimism']:+.4f} against the mean test {objective} at threshold 0.5 over seeds,
-{optimism_base(report):.4f} (the threshold the search scored with): how optimistic the search
+Test {objective} over seeds: mean {spread.mean:.4f}, standard deviation {spread.std:.4f}.
+The search's validation {objective} for this trial was {report.search_validation:.4f},
+{report.optimism:+.4f} against the mean test {objective} at threshold 0.5 over seeds,
+{at_half:.4f} (the threshold the search scored with): how optimistic the search
 was.
 
 | symptom | precision | recall | F1 | test posts with it | threshold |

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import optuna
 import pydantic
@@ -21,13 +21,22 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import adapters, memory, metrics
 from hpo.config import ADAPTER_RATE, TrainingConfig
-from hpo.data import token_cache
 from hpo.data.batching import Encoded
+from hpo.data.redsm5 import Post
 from hpo.data.splits import Splits
 from hpo.data.tasks import build_examples
-from hpo.drivers import BestEpoch, scorer
+from hpo.drivers import fit, scorer
 from hpo.errors import ConfigError, SpaceError
-from hpo.export import optimism_base
+from hpo.final_report import (
+    F1,
+    BatchPlan,
+    DataUsed,
+    Exported,
+    FinalReport,
+    SeedRun,
+    Spread,
+    SymptomScore,
+)
 from hpo.hardware import native_precisions, precision_name
 from hpo.models import ModelStore
 from hpo.planning import base_plan, fit_batch
@@ -35,7 +44,7 @@ from hpo.report import ConsoleReporter as Reporter
 from hpo.resources import Resources
 from hpo.space import Params
 from hpo.study import StudyBatchCache
-from hpo.train import Plan, loss_pos_weight, predict, prepare, train
+from hpo.train import Plan, predict
 
 SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate",
             ADAPTER_RATE)
@@ -66,12 +75,13 @@ def recipe(study: optuna.Study, number: int | None, defaults: TrainingConfig) ->
         raise ConfigError(f"trial {trial.number}: its recorded training settings no longer "
                           f"validate ({exc.error_count()} error(s), first: "
                           f"{exc.errors()[0]['msg']})") from None
+    assert trial.value is not None  # a COMPLETE trial's
+    rate = params[ADAPTER_RATE] if ADAPTER_RATE in params else params["learning_rate"]
     return Recipe(
         number=trial.number,
         value=float(trial.value),
         params=Params(params["model_name"], params["fp_precision"],
-                      int(params["target_effective_batch_size"]),
-                      float(params.get(ADAPTER_RATE, params.get("learning_rate"))), extras),
+                      int(params["target_effective_batch_size"]), float(rate), extras),
         training=training,
         value_epoch=int(trial.user_attrs.get("value_epoch", training.epochs)),
     )
@@ -120,17 +130,17 @@ class Data:
 
 def encode_splits(resources: Resources, splits: Splits, model_name: str,
                   refit: bool) -> Data:
+    """The splits tokenized as the search's trials were (`Resources.encode`); with --refit,
+    training and validation posts train together."""
     config = resources.config.data
-    tokenizer = resources.models.tokenizer(model_name)
 
-    def encoded(posts) -> Encoded:
+    def encoded(posts: Sequence[Post]) -> Encoded:
         examples = build_examples(posts, config.task, special_case=config.special_case)
-        return token_cache.cached_encode(tokenizer, examples, config.max_length,
-                                         resources.token_cache_dir)[0]
+        return resources.encode(examples, model_name)[0]
 
     train_posts = splits.train + splits.validation if refit else splits.train
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return Data(encoded(train_posts), encoded(splits.validation), encoded(splits.test), pad_id)
+    return Data(encoded(train_posts), encoded(splits.validation), encoded(splits.test),
+                resources.pad_id(model_name))
 
 
 def check_precision(found: Recipe, resources: Resources) -> None:
@@ -161,36 +171,24 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
               ) -> tuple[Run, torch.nn.Module]:
     """Train the trial's configuration with `seed` (its data order and dropout; the head is
     initialised from it too) and score the weights of the epoch the study's rule keeps, as
-    the search's trials do (`drivers.scorer`, `drivers.BestEpoch`). Returns the run and the
+    the search's trials are trained and scored (`drivers.fit`). Returns the run and the
     model with those weights, on the device."""
     plan = replace(plan, seed=seed)
     objective = resources.config.study.objective
-    rule = "last" if refit else resources.config.study.objective_epoch
     device = resources.device
-    model = adapters.build(ModelStore(), found.params.model_name, data.train.labels.shape[1],
-                           found.training.model_copy(update={"seed": seed}), plan.precision)
-    trained = prepare(model, plan, device)
     scores: list[metrics.Scores] = []
     # With --refit no validation split is left to score: the last epoch is kept unscored.
     evaluate = ((lambda _model: math.nan) if refit
                 else scorer(resources, plan, data.validation, gold, data.pad_id, scores))
-    best = BestEpoch(model, rule, plan.epochs)
-
-    def on_epoch(epoch: int, score: float) -> None:
-        reporter.epoch(label, epoch, plan.epochs, score)
-        best.after_epoch(epoch, [s.get(objective) for s in scores])
-
     reporter.run_started(label, plan)
-    train(trained, data.train, plan, device, pad_id=data.pad_id, evaluate=evaluate,
-          on_epoch=on_epoch, on_step=lambda p: reporter.step(label, p, plan.epochs),
-          pos_weight=loss_pos_weight(found.training.pos_weight, data.train.labels))
-    del trained
-    if refit:
-        kept_epoch, kept_score = plan.epochs, None
-    else:
-        values = [s.get(objective) for s in scores]
-        chosen = best.restore(values)
-        kept_epoch, kept_score = chosen + 1, values[chosen]
+    # A store of its own: each seed's initial weights are needed once.
+    model, kept_epoch = fit(ModelStore(), found.params.model_name,
+                            found.training.model_copy(update={"seed": seed}), plan, resources,
+                            data.train, data.pad_id, evaluate, scores, snapshot=not refit,
+                            on_epoch=lambda epoch, score: reporter.epoch(label, epoch,
+                                                                         plan.epochs, score),
+                            on_step=lambda p: reporter.step(label, p, plan.epochs))
+    kept_score = None if refit else scores[kept_epoch - 1].get(objective)
     # Adapters folded into the body, all in float32: the model as it is exported.
     model = adapters.merged(model)
     model.eval()
@@ -225,13 +223,13 @@ def score(run: Run, gold_validation: torch.Tensor, gold_test: torch.Tensor,
     )
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    return {
-        "mean": round(statistics.fmean(values), 4),
-        "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
-        "min": round(min(values), 4),
-        "max": round(max(values), 4),
-    }
+def spread(values: list[float]) -> Spread:
+    return Spread(
+        mean=round(statistics.fmean(values), 4),
+        std=round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+        min=round(min(values), 4),
+        max=round(max(values), 4),
+    )
 
 
 @dataclass(frozen=True)
@@ -244,7 +242,7 @@ class Options:
 
 def final(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
           reporter: Reporter, cache: StudyBatchCache,
-          ) -> tuple[dict[str, Any], torch.nn.Module]:
+          ) -> tuple[FinalReport, torch.nn.Module]:
     """Train the chosen trial again once per seed and score every run on the test split;
     `cache` is the study's batch cache, shared with its workers.
     Returns the report and the model to export: the run best on validation (the earliest of
@@ -275,8 +273,9 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
         scored = score(run, gold_validation, gold_test, names, options.tuned)
         runs.append((run, scored))
         reporter.message(_run_line(run, scored, config.study.objective))
+        best = None if chosen is None else chosen[0].validation
         if chosen is None or (run.validation is not None
-                              and run.validation > chosen[0].validation):
+                              and (best is None or run.validation > best)):
             chosen = (run, scored, model.to("cpu"))
         del model
         memory.release_memory()
@@ -294,13 +293,13 @@ def _run_line(run: Run, scored: Scored, objective: str) -> str:
             f"({scored.test_at_half.macro_f1:.4f} at threshold 0.5)")
 
 
-def _scores(scores: metrics.Scores) -> dict[str, float]:
-    return {"macro_f1": round(scores.macro_f1, 4), "micro_f1": round(scores.micro_f1, 4)}
+def _f1(scores: metrics.Scores) -> F1:
+    return F1(round(scores.macro_f1, 4), round(scores.micro_f1, 4))
 
 
 def _report(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
             found: Recipe, plan: Plan, probes: int, runs: list[tuple[Run, Scored]],
-            chosen: tuple[Run, Scored], gold_test: torch.Tensor) -> dict[str, Any]:
+            chosen: tuple[Run, Scored], gold_test: torch.Tensor) -> FinalReport:
     config, names = resources.config, resources.label_names
     objective = config.study.objective
     run, scored = chosen
@@ -308,90 +307,76 @@ def _report(study: optuna.Study, resources: Resources, splits: Splits, options: 
                                          scored.thresholds)
     intervals = metrics.bootstrap_intervals(predicted, gold_test)
     per_label = metrics.per_label_scores(predicted, gold_test, names)
-    baseline = metrics.all_positive_baseline(gold_test, names)
-    test_values = [s.test.get(objective) for _, s in runs]
     # The search scored its trials at threshold 0.5: its optimism is measured at 0.5 too.
-    at_half = [s.test_at_half.get(objective) for _, s in runs]
-    return {
-        "study": study.study_name,
-        "trial": found.number,
-        "objective": objective,
-        "search_validation": round(found.value, 4),
-        "params": {"model_name": found.params.model_name,
-                   "fp_precision": found.params.fp_precision,
-                   "target_effective_batch_size": found.params.target_effective_batch_size,
-                   "learning_rate": found.params.learning_rate, **found.params.extras},
-        "training": found.training.model_dump(mode="json"),
-        "plan": {"physical_batch": plan.physical_batch, "grad_accum_steps":
-                 plan.grad_accum_steps, "effective_batch": plan.effective_batch,
-                 "epochs": plan.epochs, "batch_probes": probes},
-        "device": resources.device.describe(),
-        "refit": options.refit,
-        "thresholds": "tuned on validation" if options.tuned and not options.refit else "0.5",
-        "data": {
-            "dir": config.data.dir, "task": config.data.task,
-            "split_seed": config.data.split_seed, "max_length": config.data.max_length,
-            "posts": {"train": len(splits.train), "validation": len(splits.validation),
-                      "test": len(splits.test)},
-            "test_post_ids": [post.post_id for post in splits.test],
-        },
-        "runs": [
-            {"seed": r.seed, "epoch": r.kept_epoch, "epochs": r.epochs_trained,
-             "validation": None if r.validation is None else round(r.validation, 4),
-             "test": _scores(s.test), "test_at_0.5": _scores(s.test_at_half)}
-            for r, s in runs
-        ],
-        "seed_spread": {"test_" + objective: spread(test_values),
-                        "test_at_0.5_" + objective: spread(at_half)},
-        "exported": {
-            "seed": run.seed,
-            "chosen_by": "first seed (--refit)" if options.refit else "validation score",
-            "test": _scores(scored.test),
-            "test_interval_95": {k: [v.low, v.high] for k, v in intervals.items()},
-            "test_at_0.5": _scores(scored.test_at_half),
-            "per_symptom": {
-                name: {"precision": s.precision, "recall": s.recall, "f1": s.f1,
-                       "support": s.support, "threshold": t}
-                for (name, s), t in zip(per_label.items(), scored.thresholds, strict=True)
-            },
-            "thresholds": dict(zip(names, scored.thresholds, strict=True)),
-        },
-        "baseline": {"name": "all_positive", **_scores(baseline)},
+    at_half = spread([s.test_at_half.get(objective) for _, s in runs])
+    data = config.data
+    return FinalReport(
+        study=study.study_name, trial=found.number, objective=objective,
+        search_validation=round(found.value, 4),
+        params={"model_name": found.params.model_name,
+                "fp_precision": found.params.fp_precision,
+                "target_effective_batch_size": found.params.target_effective_batch_size,
+                "learning_rate": found.params.learning_rate, **found.params.extras},
+        training=found.training.model_dump(mode="json"),
+        plan=BatchPlan(plan.physical_batch, plan.grad_accum_steps, plan.effective_batch,
+                       plan.epochs, probes),
+        device=resources.device.describe(),
+        refit=options.refit,
+        thresholds="tuned on validation" if options.tuned and not options.refit else "0.5",
+        data=DataUsed(data.dir, data.task, data.split_seed, data.max_length,
+                      {"train": len(splits.train), "validation": len(splits.validation),
+                       "test": len(splits.test)},
+                      [post.post_id for post in splits.test]),
+        runs=tuple(SeedRun(r.seed, r.kept_epoch, r.epochs_trained,
+                           None if r.validation is None else round(r.validation, 4),
+                           _f1(s.test), _f1(s.test_at_half)) for r, s in runs),
+        test_spread=spread([s.test.get(objective) for _, s in runs]),
+        test_spread_at_half=at_half,
+        exported=Exported(
+            seed=run.seed,
+            chosen_by="first seed (--refit)" if options.refit else "validation score",
+            test=_f1(scored.test),
+            test_interval_95={k: (v.low, v.high) for k, v in intervals.items()},
+            test_at_half=_f1(scored.test_at_half),
+            per_symptom={name: SymptomScore(s.precision, s.recall, s.f1, s.support, t)
+                         for (name, s), t in zip(per_label.items(), scored.thresholds,
+                                                 strict=True)},
+            thresholds=dict(zip(names, scored.thresholds, strict=True)),
+        ),
+        baseline=_f1(metrics.all_positive_baseline(gold_test, names)),
         # From the rounded figures the report shows, so that they subtract exactly.
-        "optimism": round(round(found.value, 4) - spread(at_half)["mean"], 4),
-    }
+        optimism=round(round(found.value, 4) - at_half.mean, 4),
+    )
 
 
-def render(report: dict[str, Any]) -> str:
+def render(report: FinalReport) -> str:
     """The report as the terminal shows it."""
-    objective = report["objective"]
-    exported = report["exported"]
-    spread_ = report["seed_spread"]["test_" + objective]
-    posts = report["data"]["posts"]
-    trained = ("refit on training + validation" if report["refit"]
+    objective, exported, spread_ = report.objective, report.exported, report.test_spread
+    runs = len(report.runs)
+    trained = ("refit on training + validation" if report.refit
                else "trained on the training split")
     lines = [
-        f"final model of study '{report['study']}', trial {report['trial']} "
-        f"({report['params']['model_name']}, {precision_name(report['params']['fp_precision'])}"
-        f"): {len(report['runs'])} seed{'s' if len(report['runs']) != 1 else ''}, {trained}; "
-        f"test split {posts['test']} posts; thresholds {report['thresholds']}",
-        f"search's validation {objective}: {report['search_validation']:.4f}; test {objective} "
-        f"over seeds: mean {spread_['mean']:.4f}, std {spread_['std']:.4f}, "
-        f"min {spread_['min']:.4f}, max {spread_['max']:.4f}",
-        f"how optimistic the search was: {report['optimism']:+.4f} (its validation "
+        f"final model of study '{report.study}', trial {report.trial} "
+        f"({report.model_name}, {precision_name(report.precision)}): {runs} "
+        f"seed{'s' if runs != 1 else ''}, {trained}; test split {report.data.posts['test']} "
+        f"posts; thresholds {report.thresholds}",
+        f"search's validation {objective}: {report.search_validation:.4f}; test {objective} "
+        f"over seeds: mean {spread_.mean:.4f}, std {spread_.std:.4f}, "
+        f"min {spread_.min:.4f}, max {spread_.max:.4f}",
+        f"how optimistic the search was: {report.optimism:+.4f} (its validation "
         f"{objective} minus the mean test {objective} at threshold 0.5, the threshold the "
-        f"search scored with: {optimism_base(report):.4f})",
-        f"exported model: seed {exported['seed']}, chosen by {exported['chosen_by']}",
+        f"search scored with: {report.test_spread_at_half.mean:.4f})",
+        f"exported model: seed {exported.seed}, chosen by {exported.chosen_by}",
     ]
     for name in ("macro_f1", "micro_f1"):
-        low, high = exported["test_interval_95"][name]
-        lines.append(f"  test {name} {exported['test'][name]:.4f} [{low:.4f}, {high:.4f}] "
-                     f"(95% bootstrap over posts); {exported['test_at_0.5'][name]:.4f} at "
-                     f"threshold 0.5; trivial baseline {report['baseline'][name]:.4f}")
+        low, high = exported.test_interval_95[name]
+        lines.append(f"  test {name} {exported.test.get(name):.4f} [{low:.4f}, {high:.4f}] "
+                     f"(95% bootstrap over posts); {exported.test_at_half.get(name):.4f} at "
+                     f"threshold 0.5; trivial baseline {report.baseline.get(name):.4f}")
     rows = [["symptom", "precision", "recall", "F1", "support", "threshold"]]
-    for name, s in exported["per_symptom"].items():
-        rows.append([name, f"{s['precision']:.3f}", f"{s['recall']:.3f}", f"{s['f1']:.3f}",
-                     str(s["support"]), f"{s['threshold']:.2f}"])
+    for name, s in exported.per_symptom.items():
+        rows.append([name, f"{s.precision:.3f}", f"{s.recall:.3f}", f"{s.f1:.3f}",
+                     str(s.support), f"{s.threshold:.2f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
               .rstrip() for row in rows]

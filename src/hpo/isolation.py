@@ -18,6 +18,7 @@ import multiprocessing.connection
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import optuna
@@ -25,15 +26,16 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import artifacts, hardware, memory, models
 from hpo.config import StudyConfig
+from hpo.context import TrialContext, claimed
 from hpo.executor import execute, outcome_of, tell
 from hpo.hardware import Device
-from hpo.liveness import LiveTrial, heartbeat
+from hpo.liveness import heartbeat
 from hpo.outcome import ChildDied, Outcome, as_told
 from hpo.report import ConsoleReporter
 from hpo.resources import load_resources
-from hpo.space import PinnedSpace, suggest
+from hpo.space import Params, PinnedSpace, suggest
 from hpo.storage import OUTAGE_SECONDS, ResilientRDBStorage, open_storage
-from hpo.study import make_pruner, shared_batch_cache
+from hpo.study import make_pruner
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,7 +43,7 @@ _PR_SET_PDEATHSIG = 1
 def in_child(
     config: StudyConfig, pinned: PinnedSpace, device: Device, url: str,
     storage: ResilientRDBStorage,
-):
+) -> Callable[[TrialContext], tuple[Outcome, FrozenTrial]]:
     """A trial runner for worker.run_worker that runs every trial in a new process."""
     # spawn, not fork: the parent holds threads (heartbeat, torch's pools) and open
     # connections that a forked child must not inherit.
@@ -50,15 +52,16 @@ def in_child(
                "device": device, "url": url, "heartbeat_interval": storage.heartbeat_interval,
                "grace_period": storage.grace_period}
 
-    def run(study: optuna.Study, live: LiveTrial) -> tuple[Outcome, FrozenTrial]:
-        trial = live.trial
-        # Sampled here, by the worker's long-lived sampler; the child reads them back.
-        suggest(trial, pinned)
+    def run(claim: TrialContext) -> tuple[Outcome, FrozenTrial]:
+        trial = claim.trial
+        # Sampled here, once, by the worker's long-lived sampler; the child is given them.
+        params = suggest(trial, pinned)
         attempt = _Attempt(context)
         receiver, sender = context.Pipe(duplex=False)
         child = context.Process(
             target=_child_main,
-            args=(payload, trial._trial_id, os.getpid(), attempt, sender), daemon=True,
+            args=(payload, trial._trial_id, params, os.getpid(), attempt, sender),
+            daemon=True,
         )
         started = time.perf_counter()
         child.start()
@@ -83,8 +86,7 @@ def in_child(
             return as_told(frozen), frozen
         tried = attempt.read()
         outcome = outcome_of(trial.number, ChildDied(child.exitcode, tried))
-        return tell(study, live, outcome, shared_batch_cache(study, storage), tried=tried,
-                    started=started)
+        return tell(claim, outcome, tried=tried, started=started)
 
     return run
 
@@ -116,8 +118,8 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _Attempt,
-                sender: multiprocessing.connection.Connection) -> None:
+def _child_main(payload: dict[str, Any], trial_id: int, params: Params, parent: int,
+                attempt: _Attempt, sender: multiprocessing.connection.Connection) -> None:
     _die_with_parent(parent)
     models.quiet_transformers()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -133,8 +135,9 @@ def _child_main(payload: dict[str, Any], trial_id: int, parent: int, attempt: _A
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
     if not config.data.cv_folds:
         resources.keeper = artifacts.keeper_for(config, payload["url"])
-    live = LiveTrial(optuna.trial.Trial(study, trial_id))
-    with memory.long_lived_frozen(), heartbeat(storage, live):
-        outcome, told = execute(study, live, resources, ConsoleReporter(),
-                                shared_batch_cache(study, storage), attempt)
+    # The trial's context again, in this process: its own connection, the parent's watch.
+    context = claimed(study, storage, optuna.trial.Trial(study, trial_id), ConsoleReporter(),
+                      attempt)
+    with memory.long_lived_frozen(), heartbeat(storage, context.live):
+        outcome, told = execute(context, resources, params)
     sender.send((outcome, told._trial_id))

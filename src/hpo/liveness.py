@@ -87,11 +87,14 @@ def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> N
         # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-    if not storage.get_heartbeat_interval():
+    interval = storage.get_heartbeat_interval()
+    if not interval:
         return
     # A worker killed between claiming a trial and its first heartbeat (OOM killer, eviction)
-    # leaves a RUNNING trial that Optuna's reaper never sees: reap it by its start time.
-    started_before = datetime.datetime.now() - datetime.timedelta(seconds=storage.grace_period)
+    # leaves a RUNNING trial that Optuna's reaper never sees: reap it by its start time, after
+    # the grace period (Optuna's default where none was set: two intervals).
+    grace = storage.grace_period or 2 * interval
+    started_before = datetime.datetime.now() - datetime.timedelta(seconds=grace)
     with storage.engine.connect() as connection:
         unbeaten = budget.unbeaten_trial_ids(connection, study_id, started_before)
     retry = storage.get_heartbeat_stale_trial_callback()

@@ -188,9 +188,9 @@ class ModelStore:
             torch.manual_seed(seed)
             self._initial[key] = _from_pretrained(resolve(name), num_labels)
         # A copy of the untouched first model, its config included (training may switch a
-        # model's attention in it): 0.03 s for all-MiniLM-L6-v2, where building from the
-        # config and loading the weights took 0.22 s, most of it initialising weights that
-        # the load then overwrote.
+        # model's attention in it): far cheaper than building from the config and loading
+        # the weights again, most of which is initialising weights the load then overwrites
+        # (benchmarks/README.md, "Per-trial overhead by part").
         return copy.deepcopy(self._initial[key])
 
 

@@ -1,4 +1,4 @@
-"""A trial before training: its parameters sampled, the physical batch that fits the device
+"""A trial before training, its parameters sampled: the physical batch that fits the device
 (the study's cached limit, or a binary search where it has none) and the plan derived from
 them: accumulation steps, evaluation batch, precision."""
 
@@ -9,21 +9,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import optuna
 import torch
 
 from hpo import adapters, check, memory
 from hpo.config import TrainingConfig
+from hpo.context import TrialContext, Watch, unwatched
 from hpo.data.batching import Encoded
 from hpo.hardware import Device
+from hpo.models import config_of
 from hpo.resources import Resources
-from hpo.space import Params, suggest
+from hpo.space import Params
 from hpo.study import StudyBatchCache
 from hpo.train import Plan, prepare, probe_step
 
 
 @dataclass(frozen=True)
-class TrialPlan:
+class PlannedTrial:
     """A trial before training: its parameters, their training settings, the runtime plan
     and the data it trains on."""
 
@@ -35,15 +36,9 @@ class TrialPlan:
     train_data: Encoded
     validation_data: Encoded
     pad_id: int
-
-
-# Called with the batch cache key and the micro-batch before each step that may run out of
-# memory (each probe, then training): a process killed by the OOM killer cannot say it itself.
-Watch = Callable[[str, int], None]
-
-
-def unwatched(_key: str, _batch: int) -> None:
-    return None
+    tokenization: str  # where the tokens came from (`Resources.encoded`)
+    tokenization_seconds: float
+    batch_search_seconds: float
 
 
 def cache_key(params: Params, training: TrainingConfig, max_length: int, device: Device) -> str:
@@ -51,15 +46,12 @@ def cache_key(params: Params, training: TrainingConfig, max_length: int, device:
             f"{adapters.cache_suffix(training, params.fp_precision)}")
 
 
-def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache,
-               watch: Watch = unwatched) -> TrialPlan:
-    """Sample the parameters, refuse a combination the study's check found unusable, find
-    the physical batch that fits and derive the plan. Where the tokens came from, and the
-    seconds tokenization and the batch search took, are recorded on the trial."""
+def plan_trial(context: TrialContext, params: Params, resources: Resources) -> PlannedTrial:
+    """Refuse a combination the study's check found unusable, find the physical batch that
+    fits and derive the plan of the trial's sampled `params`."""
     config, device = resources.config, resources.device
-    params = suggest(trial, resources.pinned)
     training = config.training.model_copy(update=params.extras)
-    why = check.unusable(trial.study, device, params.model_name, params.fp_precision,
+    why = check.unusable(context.study, device, params.model_name, params.fp_precision,
                          training.peft)
     if why is not None:
         adapter = "" if training.peft == "none" else f" {training.peft}"
@@ -67,15 +59,15 @@ def plan_trial(trial: optuna.Trial, resources: Resources, cache: StudyBatchCache
                              f"(hpo check)")
     began = time.perf_counter()
     train_data, validation_data, source = resources.encoded(params.model_name)
-    trial.set_user_attr("tokenization", source)
-    trial.set_user_attr("tokenization_seconds", round(time.perf_counter() - began, 3))
-    tokenizer = resources.models.tokenizer(params.model_name)
+    tokenization_seconds = time.perf_counter() - began
     began = time.perf_counter()
     plan, key, probes = fit_batch(base_plan(params, training), params, training,
-                                  train_data.labels.shape[1], resources, cache, watch)
-    trial.set_user_attr("batch_search_seconds", round(time.perf_counter() - began, 3))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return TrialPlan(params, training, plan, key, probes, train_data, validation_data, pad_id)
+                                  train_data.labels.shape[1], resources, context.cache,
+                                  context.watch)
+    searched = time.perf_counter() - began
+    return PlannedTrial(params, training, plan, key, probes, train_data, validation_data,
+                     resources.pad_id(params.model_name), source, tokenization_seconds,
+                     searched)
 
 
 def base_plan(params: Params, training: TrainingConfig) -> Plan:
@@ -133,7 +125,7 @@ def _find_batch(
             holder["model"] = prepare(build(), plan, device)
         model = holder["model"]
         model.zero_grad(set_to_none=True)
-        probe_step(model, plan, device, batch, length, model.config.vocab_size)
+        probe_step(model, plan, device, batch, length, config_of(model).vocab_size)
 
     result = memory.search(step, bound, known, memory.device_memory_probe(device))
     holder.clear()

@@ -1,6 +1,7 @@
 """What a trial records beside its value: where it ran, its plan, what its model and optimizer
-got, how its training went, and, for the study's best, its model kept in the artifact store.
-Everything here is written to the trial as user attributes; nothing here decides its state."""
+got, how its training went, how it ended and, for the study's best, its model kept in the
+artifact store. Every user attribute a trial run writes is written here (the reaper writes its
+own, in `liveness`); nothing here decides a trial's state."""
 
 from __future__ import annotations
 
@@ -8,18 +9,21 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
 import optuna
+import psutil
 import torch
 
 from hpo import adapters, artifacts, export, metrics
+from hpo.context import TrialContext
 from hpo.errors import one_line
 from hpo.hardware import fused_adamw, library_versions
-from hpo.planning import TrialPlan
+from hpo.memory import BatchLimit, DeviceMemory
+from hpo.models import config_of
+from hpo.outcome import Outcome
+from hpo.planning import PlannedTrial
 from hpo.resources import Resources
 from hpo.train import CompiledOrEager, Progress
 
@@ -38,17 +42,25 @@ def record_start(trial: optuna.Trial, resources: Resources) -> None:
     trial.set_user_attr("versions", library_versions())
 
 
-def record_plan(trial: optuna.Trial, planned: TrialPlan) -> None:
+def record_plan(trial: optuna.Trial, planned: PlannedTrial) -> None:
     plan = planned.plan
     trial.set_user_attr("physical_batch_size", plan.physical_batch)
     trial.set_user_attr("grad_accum_steps", plan.grad_accum_steps)
     trial.set_user_attr("effective_batch_size", plan.effective_batch)
     trial.set_user_attr("eval_batch_size", plan.eval_batch)
     trial.set_user_attr("batch_probes", planned.probes)
+    trial.set_user_attr("tokenization", planned.tokenization)
+    trial.set_user_attr("tokenization_seconds", round(planned.tokenization_seconds, 3))
+    trial.set_user_attr("batch_search_seconds", round(planned.batch_search_seconds, 3))
     trial.set_user_attr("samples_dropped_per_epoch",
                         len(planned.train_data) % plan.effective_batch)
     # The resolved settings beside the result, enough to repeat the run.
     trial.set_user_attr("training", planned.training.model_dump(mode="json"))
+
+
+def record_retry(trial: optuna.Trial, retried: int) -> None:
+    """The trial this one re-runs: the reaper's retry copy of `retried`."""
+    trial.set_user_attr("retry_of", retried)
 
 
 def record_model(trial: optuna.Trial, model: torch.nn.Module, device_type: str,
@@ -58,7 +70,7 @@ def record_model(trial: optuna.Trial, model: torch.nn.Module, device_type: str,
     trial.set_user_attr("model_seconds", round(seconds, 3))
     # transformers keeps the attention in a private config field (models.py reads it too);
     # the family tests fail if it moves.
-    trial.set_user_attr("attention_implementation", model.config._attn_implementation)
+    trial.set_user_attr("attention_implementation", config_of(model)._attn_implementation)
     trial.set_user_attr("fused_adamw", fused_adamw(device_type))
     trainable, total = adapters.trainable_parameters(model)
     trial.set_user_attr("trainable_parameters", trainable)
@@ -94,6 +106,20 @@ def record_speed(trial: optuna.Trial, progress: Progress) -> None:
         trial.set_user_attr("grad_scale", progress.grad_scale)
 
 
+def record_folds(trial: optuna.Trial, scores: list[float], value_epochs: list[int],
+                 seconds: float, progress: Progress | None, failure: str | None,
+                 compiled: bool) -> None:
+    """A cross-validated trial's folds so far: each fold's score and the epoch it comes
+    from, the training seconds of all, and the last fold's speed."""
+    trial.set_user_attr("fold_scores", [round(v, 4) for v in scores])
+    trial.set_user_attr("fold_value_epochs", value_epochs)
+    trial.set_user_attr("train_seconds", round(seconds, 3))
+    if progress is not None:
+        record_speed(trial, progress)
+    if compiled:
+        record_compiled(trial, failure)
+
+
 def record_progress(trial: optuna.Trial, progress: Progress | None,
                     scores: list[metrics.Scores], objective: str, rule: str,
                     model: torch.nn.Module) -> None:
@@ -116,12 +142,41 @@ def record_progress(trial: optuna.Trial, progress: Progress | None,
         trial.set_user_attr("f1_per_symptom", scores[chosen].per_label)
 
 
-def keep(trial: optuna.Trial, planned: TrialPlan, resources: Resources,
-         keeper: artifacts.Keeper, model: torch.nn.Module, value: float, epoch: int,
-         reporter: Warner, lock: Callable[[], AbstractContextManager[object]]) -> None:
+def record_end(trial: optuna.Trial, outcome: Outcome, *, lowered: BatchLimit | None = None,
+               failed_at: str | None = None, device_memory: DeviceMemory | None = None,
+               started: float | None = None) -> None:
+    """How the trial ended, beside the state it is told with: the reason and error, the
+    study's batch limit an OOM `lowered`, the traceback of a failure, the memory and the
+    seconds (since `started`, a perf_counter reading) the trial took."""
+    if lowered is not None:
+        trial.set_user_attr("batch_limit_after_oom", lowered.to_json())
+    if outcome.prune_reason:
+        trial.set_user_attr("prune_reason", outcome.prune_reason)
+    if outcome.error:
+        trial.set_user_attr("error", outcome.error)
+    if failed_at:
+        trial.set_user_attr("traceback", failed_at)
+    for name, mib in (device_memory.to_attrs() if device_memory else {}).items():
+        trial.set_user_attr(name, round(mib, 1))
+    if started is not None:
+        trial.set_user_attr("worker_rss_mb", round(psutil.Process().memory_info().rss / 2**20, 1))
+        trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
+
+
+def record_stopped(trial: optuna.Trial, error: str | None, *, interrupted: bool) -> None:
+    """A trial ended before its end: `interrupted` by Ctrl-C or SIGTERM (`hpo status` counts
+    a deliberate stop apart from failures, `summary.interrupted`), or given back."""
+    trial.set_user_attr("error", error)
+    if interrupted:
+        trial.set_user_attr("interrupted", True)
+
+
+def keep(context: TrialContext, planned: PlannedTrial, resources: Resources,
+         keeper: artifacts.Keeper, model: torch.nn.Module, value: float, epoch: int) -> None:
     """Keep the trial's model if it ranks in the study's best; a failure to keep it is a
     warning and an attribute, never the trial's failure."""
     data = resources.config.data
+    trial = context.trial
 
     def save(directory: Path) -> None:
         export.save_model(directory, model, planned.params.model_name, resources.label_names,
@@ -132,10 +187,10 @@ def keep(trial: optuna.Trial, planned: TrialPlan, resources: Resources,
 
     began = time.perf_counter()
     try:
-        artifacts.keep(trial, value, keeper, save, lock)
+        artifacts.keep(trial, value, keeper, save, context.lock)
         trial.set_user_attr("keep_seconds", round(time.perf_counter() - began, 3))
     except Exception as exc:
-        reporter.warning(f"trial {trial.number}: its model could not be kept in "
-                         f"{keeper.where}: {one_line(exc)}")
+        context.reporter.warning(f"trial {trial.number}: its model could not be kept in "
+                                 f"{keeper.where}: {one_line(exc)}")
         with contextlib.suppress(Exception):
             trial.set_user_attr("checkpoint_error", one_line(exc))

@@ -52,16 +52,21 @@ class Resources:
         memory, the machine's disk cache, or the tokenizer."""
         if model_name in self._encoded:
             return *self._encoded[model_name], "worker memory"
-        tokenizer = self.models.tokenizer(model_name)
-        max_length = self.config.data.max_length
-        train, train_hit = token_cache.cached_encode(
-            tokenizer, self.train_examples, max_length, self.token_cache_dir
-        )
-        validation, validation_hit = token_cache.cached_encode(
-            tokenizer, self.validation_examples, max_length, self.token_cache_dir
-        )
+        train, train_hit = self.encode(self.train_examples, model_name)
+        validation, validation_hit = self.encode(self.validation_examples, model_name)
         self._encoded[model_name] = (train, validation)
         return train, validation, "disk cache" if train_hit and validation_hit else "tokenizer"
+
+    def encode(self, examples: list[Example], model_name: str) -> tuple[Encoded, bool]:
+        """`examples` tokenized for this model, through the machine's token cache; whether
+        the cache had them."""
+        return token_cache.cached_encode(self.models.tokenizer(model_name), examples,
+                                         self.config.data.max_length, self.token_cache_dir)
+
+    def pad_id(self, model_name: str) -> int:
+        """The token the collator pads this model's batches with."""
+        pad = self.models.tokenizer(model_name).pad_token_id
+        return pad if pad is not None else 0
 
     def folds(self, model_name: str) -> Iterator[Fold]:
         """`data.cv_folds` folds by post of the training and validation posts together,

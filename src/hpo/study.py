@@ -9,6 +9,7 @@ import hashlib
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import cast
 
 import optuna
 from optuna.trial import TrialState
@@ -72,6 +73,7 @@ def join(
     None: a host that runs no trial, which leaves `auto` to the first worker that does),
     with the data split pinned (`pin_splits`) when `splits` is given. Under the study lock,
     so that of many workers starting at once exactly one pins them."""
+    assert config.study.name is not None  # named when the study file was loaded
     with budget.study_lock(storage.engine, config.study.name):
         study = optuna.create_study(
             storage=storage,
@@ -119,7 +121,7 @@ def warm_start(storage: ResilientRDBStorage, config: StudyConfig) -> list[dict]:
                           f"(hpo studies lists them)") from None
     space = config.search_space
     best = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))),
-                  key=lambda t: (-t.value, t.number))
+                  key=lambda t: (-cast(float, t.value), t.number))  # COMPLETE: valued
     chosen = []
     for trial in best:
         params = _rate_renamed(dict(trial.params), space)

@@ -26,9 +26,8 @@ if TYPE_CHECKING:
 # AllenNLP's bucket sampler): samples within about a tenth of each other's length trade places
 # from epoch to epoch, so most steps change company (a step of the tail's outliers may not),
 # while a sort over the whole epoch finds closer lengths than sorting shuffled slices of it.
-# Real share of the tokens processed in steps of 16, against slices of 16 steps sorted exactly:
-# 0.952 against 0.938 on benchmarks/throughput.py's 400 posts (0.962 against 0.944 on 5,000 of
-# them), 0.686 against 0.586 on the demo posts at 512 tokens, 0.904 against 0.899 at 64.
+# The share of real tokens it leaves against slices sorted exactly: benchmarks/README.md,
+# "Training throughput and padding against transformers' Trainer".
 LENGTH_NOISE = 0.05
 # A blur of lengths spans more samples the more of them share a length: on 5,000 posts and
 # more, the 5% lets samples a tenth apart in length share a step, and the Trainer's exact sort
@@ -42,14 +41,11 @@ RANK_BLUR = 0.5
 # at most MAX_WIDTHS distinct widths (never past its longest example): 8 at 256 tokens, the
 # multiple tensor cores want, 16 at 512, but 2 at the demo's 64. Few shapes mean the kernels
 # built per shape (oneDNN primitives on a CPU, cuBLAS plans on a GPU) are reused instead of
-# built and kept for every length: after its first trial, a CPU worker that tried three new
-# (model, precision, batch) settings grew by 60 MiB instead of 270 MiB (demo data, widths
-# rounded to 16, before oneDNN's caches were bounded). 32 rather than 16 keeps multiples of 8
-# up to 256 tokens: on benchmarks/throughput.py's posts 0.961 of the tokens processed are real
-# instead of 0.952, 2.6% more samples/s (the median of three pairs on the AMX Xeon), at the same
-# peak memory. Short data are not held to multiples of 8: on the demo's training split at 64
-# tokens they left 0.909 of the tokens real in steps of 8, multiples of 2 leave 0.960, where the
-# Trainer's `group_by_length` pads to 0.953 (benchmarks/padding.py --study demo).
+# built and kept for every length, so a worker's memory stops growing after its first trials.
+# 32 rather than 16 keeps multiples of 8 up to 256 tokens, which pads less at the same peak
+# memory; short data are not held to multiples of 8, which would pad more than the Trainer's
+# `group_by_length`. The figures: benchmarks/README.md (worker memory growth; padding and
+# throughput against the Trainer; benchmarks/padding.py).
 MAX_WIDTHS = 32
 
 
