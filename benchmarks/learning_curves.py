@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from search_quality import cpu_model, versions  # noqa: E402
 
 from hpo import config as config_module  # noqa: E402
+from hpo import study_files  # noqa: E402
 from hpo.hardware import detect, native_precisions  # noqa: E402
 from hpo.study import SPLITS  # noqa: E402
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, help="start no trial after this long")
     parser.add_argument("--summary", action="store_true")
     args = parser.parse_args(argv)
-    study = config_module.load(config_module.study_path("demo"))
+    study = study_files.load(study_files.study_path("demo"))
     table = load_table(args.output)
     if table["machine"] != cpu_model():
         raise SystemExit(f"{args.output} was recorded on {table['machine']}, not here "

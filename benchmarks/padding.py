@@ -30,7 +30,7 @@ import torch
 from throughput import corpus
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from hpo import config
+from hpo import study_files
 from hpo.data.batching import encode, pad_multiple, padded_width, training_steps
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.splits import split_posts
@@ -69,8 +69,8 @@ def trainer_batches(lengths: Sequence[int], batch: int, epoch: int, *,
 
 
 def study_training_split(name: str) -> tuple[list[Example], int]:
-    data = config.load(config.study_path(name)).data
-    posts = read_redsm5(config.local_path(data.dir), special_case=data.special_case)
+    data = study_files.load(study_files.study_path(name)).data
+    posts = read_redsm5(study_files.local_path(data.dir), special_case=data.special_case)
     splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
                          seed=data.split_seed)
     return build_examples(splits.train, data.task, special_case=data.special_case), data.max_length

@@ -56,6 +56,7 @@ from optuna.trial import TrialState
 from search_quality import MEDIAN_STARTUP, MEDIAN_WARMUP, variant
 
 from hpo import config as config_module
+from hpo import study_files
 from hpo.space import PinnedSpace, by_cost, declare, suggest
 from hpo.study import make_pruner, make_sampler
 
@@ -279,7 +280,7 @@ def with_overrides(study: config_module.StudyConfig, *sets: str
     """The study with `--set`-style overrides, validated as hpo validates them."""
     raw = study.model_dump(mode="json")
     for item in sets:
-        config_module.apply_override(raw, item)
+        study_files.apply_override(raw, item)
     return config_module.StudyConfig.model_validate(raw)
 
 
@@ -665,7 +666,7 @@ def versus(reps: list[dict], peer: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict:
     table = json.loads(args.table.read_text())
     curves = Curves(table)
-    study = config_module.load(config_module.study_path("demo"),
+    study = study_files.load(study_files.study_path("demo"),
                                [f"training.epochs={args.epochs or table['epochs']}"])
     facts = measured(json.loads(args.real.read_text()), table["machine"])
     variants = dict(args.variants)
@@ -764,7 +765,7 @@ def reality(real_path: Path, table_path: Path) -> str:
     curves = Curves(table)
     facts = measured(real, table["machine"])
     # Those runs' hpo ran the median pruner, the default of the time.
-    study = config_module.load(config_module.study_path("demo"), list(REAL_PRUNER))
+    study = study_files.load(study_files.study_path("demo"), list(REAL_PRUNER))
     runs = [r for r in real["runs"] if r["label"] == "default"
             and r.get("machine", real["machine"]) == table["machine"]]
     lines = ["| seed | tool | real wall | replayed wall | ratio | real best | replayed best "

@@ -15,12 +15,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from hpo import metrics
 from hpo.artifacts import KEPT, kept, location
 from hpo.cli import main
-from hpo.config import load
 from hpo.data.batching import encode
 from hpo.data.redsm5 import label_names, read_redsm5
 from hpo.data.splits import split_posts
 from hpo.data.tasks import build_examples
 from hpo.hardware import detect
+from hpo.study_files import load
 from hpo.train import predict
 
 

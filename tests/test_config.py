@@ -1,14 +1,13 @@
-import subprocess
-import sys
-import zipfile
+"""The schema: each key's type and range, and how the keys of a study file go together."""
+
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, study_dict
+from conftest import study_dict
 
-from hpo import config
-from hpo.config import ConfigError
+from hpo.errors import ConfigError
+from hpo.study_files import load
 
 
 def write(tmp_path: Path, data) -> Path:
@@ -17,17 +16,8 @@ def write(tmp_path: Path, data) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["demo", "redsm5"])
-def test_shipped_study_files_are_valid_and_say_how_to_run_them(name):
-    path = REPO / "configs" / "studies" / f"{name}.yaml"
-    assert path.read_text().startswith(f"# Run: hpo run --study {name}")
-    loaded = config.load(path)
-    assert loaded.study.name == name
-    assert len(loaded.search_space.model_name) >= 2
-
-
 def test_defaults_and_name(tmp_path):
-    loaded = config.load(write(tmp_path, study_dict(["m"], tmp_path)))
+    loaded = load(write(tmp_path, study_dict(["m"], tmp_path)))
     assert loaded.study.name == "study"
     assert loaded.training.safety_margin == 0.9
     assert loaded.training.max_grad_norm == 1.0
@@ -70,123 +60,9 @@ def test_invalid_files_name_the_key(tmp_path, change, message):
     data = study_dict(["m"], tmp_path)
     change(data)
     with pytest.raises(ConfigError, match=message) as info:
-        config.load(write(tmp_path, data))
+        load(write(tmp_path, data))
     assert "\n" not in str(info.value)
     assert str(tmp_path) in str(info.value)
-
-
-def test_malformed_yaml_names_file_and_line(tmp_path):
-    path = write(tmp_path, "data:\n  dir: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"study.yaml: malformed YAML \(line \d+"):
-        config.load(path)
-
-
-def test_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="not found"):
-        config.load(tmp_path / "nope.yaml")
-
-
-def test_overrides_are_typed(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
-    loaded = config.load(path, [
-        "training.epochs=5",
-        "search_space.learning_rate.low=2e-5",
-        "search_space.fp_precision=auto",
-        "search_space.model_name=[x, y]",
-        "study.pruner.name=median",
-        "data.max_length=64",
-    ])
-    assert loaded.training.epochs == 5
-    assert loaded.search_space.learning_rate.low == 2e-5
-    assert loaded.search_space.fp_precision == "auto"
-    assert loaded.search_space.model_name == ["x", "y"]
-    assert loaded.study.pruner.name == "median"
-    assert loaded.data.max_length == 64
-
-
-def test_override_can_add_an_optional_section(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
-    loaded = config.load(
-        path, ["search_space.weight_decay.low=0", "search_space.weight_decay.high=0.1"]
-    )
-    assert loaded.search_space.weight_decay.high == 0.1
-
-
-@pytest.mark.parametrize(
-    ("item", "message"),
-    [
-        ("training.epoch=2", "--set training.epoch: unknown key 'training.epoch'"),
-        ("nothing=1", "unknown key 'nothing'"),
-        ("training.epochs.value=1", "unknown key 'training.epochs.value'"),
-        ("training.epochs", "expected KEY=VALUE"),
-    ],
-)
-def test_bad_overrides(tmp_path, item, message):
-    with pytest.raises(ConfigError, match=message):
-        config.load(write(tmp_path, study_dict(["m"], tmp_path)), [item])
-
-
-def test_override_with_wrong_type(tmp_path):
-    with pytest.raises(ConfigError, match="training.epochs"):
-        config.load(write(tmp_path, study_dict(["m"], tmp_path)), ["training.epochs=many"])
-
-
-def test_every_problem_of_a_file_is_reported_at_once_with_suggestions(tmp_path):
-    data = study_dict(["m"], tmp_path)
-    data["training"]["epoch"] = 2
-    data["study"] = {"pruner": {"nam": "median"}}
-    data["data"]["max_length"] = 4
-    del data["data"]["dir"]
-    with pytest.raises(ConfigError) as info:
-        config.load(write(tmp_path, data))
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(f"{tmp_path / 'study.yaml'}: ")
-    for problem in ("unknown key 'training.epoch' (did you mean 'epochs'?)",
-                    "unknown key 'study.pruner.nam' (did you mean 'name'?)",
-                    "data.max_length: Input should be greater than or equal to 8 (got 4)",
-                    "missing key 'data.dir'"):
-        assert problem in message
-
-
-def test_a_bad_override_value_is_blamed_on_the_override_not_the_file(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
-    with pytest.raises(ConfigError) as info:
-        config.load(path, ["training.epochs=many"])
-    assert str(info.value).startswith("--set training.epochs=many: training.epochs: ")
-    assert str(path) not in str(info.value)
-    grace = config.Override("study.grace_period", "5", "HPO_GRACE_PERIOD")
-    with pytest.raises(ConfigError, match=r"^HPO_GRACE_PERIOD=5: study: grace_period \(5\) "
-                                          r"must exceed heartbeat_interval \(30\)"):
-        config.load(path, [grace])
-    with pytest.raises(ConfigError, match=r"^--set study.pruner.nme: unknown key "
-                                          r"'study.pruner.nme' \(did you mean 'name'\?\)$"):
-        config.load(path, ["study.pruner.nme=none"])
-
-
-def test_a_study_name_is_looked_up_here_first_then_among_the_shipped_ones(tmp_path,
-                                                                          monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert config.find_study("demo") == config.PACKAGED_STUDIES / "demo.yaml"
-    assert config.load(config.study_path("redsm5")).study.name == "redsm5"
-    mine = tmp_path / "configs" / "studies" / "demo.yaml"
-    mine.parent.mkdir(parents=True)
-    mine.write_text("data: {}\n")
-    assert config.find_study("demo").resolve() == mine
-    with pytest.raises(ConfigError, match=(
-            rf"unknown study 'nosuch': no nosuch.yaml in {mine.parent} nor in hpo's own "
-            r"studies \(demo, redsm5\); --config FILE reads any study file")):
-        config.study_path("nosuch")
-
-
-def test_the_shipped_studies_are_installed_with_the_package(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                            "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
-    (wheel,) = tmp_path.glob("hpo-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    for study in (REPO / "configs" / "studies").glob("*.yaml"):
-        assert f"hpo/studies/{study.name}" in names
 
 
 @pytest.mark.parametrize("name", ["successive_halving", "hyperband"])
@@ -194,9 +70,9 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
     path = write(tmp_path, study_dict(["m"], tmp_path))
     with pytest.raises(ConfigError, match=rf"study.pruner.min_resource \(2\) must be below the "
                                           rf"2 steps a trial reports .*: {name} would prune"):
-        config.load(path, ["training.epochs=2", f"study.pruner.name={name}",
+        load(path, ["training.epochs=2", f"study.pruner.name={name}",
                            "study.pruner.min_resource=2"])
-    assert config.load(path, ["training.epochs=3", f"study.pruner.name={name}",
+    assert load(path, ["training.epochs=3", f"study.pruner.name={name}",
                               "study.pruner.min_resource=2"]).max_steps() == 3
 
 
@@ -205,9 +81,9 @@ def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mi
     data = study_dict(["m"], tmp_path)
     del data["study"]["pruner"]
     path = write(tmp_path, data)
-    loaded = config.load(path, ["training.epochs=1"])
+    loaded = load(path, ["training.epochs=1"])
     assert loaded.study.pruner.name == "successive_halving"
-    assert config.load(path, ["training.epochs=2"]).study.pruner.min_resource == 1
+    assert load(path, ["training.epochs=2"]).study.pruner.min_resource == 1
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -240,15 +116,15 @@ def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mi
 def test_adapter_settings_are_checked_when_the_file_is_read(tmp_path, overrides, message):
     path = write(tmp_path, study_dict(["m"], tmp_path))
     with pytest.raises(ConfigError, match=message):
-        config.load(path, overrides)
+        load(path, overrides)
 
 
 def test_an_adapter_set_with_its_method_may_be_enqueued(tmp_path):
     path = write(tmp_path, study_dict(["m"], tmp_path))
-    loaded = config.load(path, ["search_space.peft=[none, lora]", "search_space.lora_r=[4, 8]",
+    loaded = load(path, ["search_space.peft=[none, lora]", "search_space.lora_r=[4, 8]",
                                 "study.enqueue=[{peft: lora, lora_r: 8}, {peft: none}]"])
     assert loaded.study.enqueue == [{"peft": "lora", "lora_r": 8}, {"peft": "none"}]
-    ranged = config.load(path, ["search_space.peft=[none, lora]",
+    ranged = load(path, ["search_space.peft=[none, lora]",
                                 "search_space.adapter_learning_rate={low: 1.0e-4, high: 1.0e-3}",
                                 "study.enqueue=[{peft: lora, adapter_learning_rate: 5.0e-4}, "
                                 "{peft: none, learning_rate: 2.0e-4}]"])

@@ -15,11 +15,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import learning_curves  # noqa: E402
 
 from hpo import config as config_module  # noqa: E402
+from hpo import study_files  # noqa: E402
 from hpo.study import SPLITS  # noqa: E402
 
 
 def demo() -> config_module.StudyConfig:
-    return config_module.load(config_module.study_path("demo"))
+    return study_files.load(study_files.study_path("demo"))
 
 
 def test_the_grid_covers_the_demo_space_three_rates_a_decade():

@@ -181,9 +181,9 @@ def test_g1_counts_ties_apart_and_g2_is_infinite_where_hpo_never_gets_there():
 
 
 def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(curves):
-    from hpo import config as config_module
+    from hpo import study_files
 
-    study = config_module.load(config_module.study_path("demo"), ["training.epochs=4"])
+    study = study_files.load(study_files.study_path("demo"), ["training.epochs=4"])
     policy = replay.hpo_policy(study, curves, seed=3)
     assert isinstance(policy.study.pruner, optuna.pruners.SuccessiveHalvingPruner)
     assert isinstance(policy.study.sampler, optuna.samplers.TPESampler)
@@ -216,9 +216,9 @@ def test_every_policy_runs_and_the_output_holds_g1_and_g2_per_peer(tmp_path):
 
 def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
     pytest.importorskip("ray.tune", reason="Ray Tune comes with '.[bench]'")
-    from hpo import config as config_module
+    from hpo import study_files
 
-    study = config_module.load(config_module.study_path("demo"), ["training.epochs=4"])
+    study = study_files.load(study_files.study_path("demo"), ["training.epochs=4"])
     policy = replay.RayPolicy("ray", study.search_space, "none", 0, 4, 6)
     trials = replay.simulate(policy, curves, 0, budget=12, workers=2, epochs=4)
     assert len(trials) == 12
@@ -281,7 +281,7 @@ def test_a_variant_is_hpo_with_overrides_scored_as_a_peer(tmp_path):
                  "hb2=study.pruner.name=hyperband;study.pruner.reduction_factor=2"])
     result = json.loads(output.read_text())
     assert list(result["versus"]) == ["hb2"]
-    study = replay.config_module.load(replay.config_module.study_path("demo"))
+    study = replay.study_files.load(replay.study_files.study_path("demo"))
     facts = replay.Measured({}, {}, 0)
     (policy, searches), = replay.policies(["hb2"], study, replay.Curves(made_up_table()), 0,
                                           facts, {"hb2": ["study.pruner.name=hyperband"]})

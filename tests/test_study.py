@@ -12,12 +12,12 @@ from conftest import REPO, start_worker
 
 from hpo import check, memory
 from hpo.cli import main
-from hpo.config import load
 from hpo.hardware import detect, native_precisions, precision_names
 from hpo.memory import BatchLimit
 from hpo.space import PIN_ATTR, PinnedSpace, by_cost
 from hpo.storage import open_storage
 from hpo.study import StudyBatchCache, decide_precisions, join
+from hpo.study_files import load
 
 
 def test_create_is_idempotent_and_pins(tiny_study, any_storage, capsys):
@@ -178,9 +178,9 @@ def test_a_lowered_batch_is_seen_by_the_next_worker(one_model_study, pg_url):
 def test_heartbeat_settings_are_fixed_in_the_study_when_it_is_created(tiny_study, tmp_path):
     from conftest import CPU_AVX2
 
-    from hpo.config import load
     from hpo.storage import open_storage
     from hpo.study import join
+    from hpo.study_files import load
 
     url = f"sqlite:///{tmp_path / 'hpo.db'}"
     first = load(tiny_study, ["study.heartbeat_interval=2", "study.grace_period=8",
@@ -331,8 +331,8 @@ def spy_on(monkeypatch, module, name: str) -> dict:
 
 
 def test_the_sampler_settings_reach_optuna(tiny_study, monkeypatch):
-    from hpo.config import load
     from hpo.study import make_sampler
+    from hpo.study_files import load
 
     made = spy_on(monkeypatch, optuna.samplers, "TPESampler")
     make_sampler(load(tiny_study, ["study.sampler.name=tpe"]))

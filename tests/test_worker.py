@@ -14,12 +14,12 @@ from optuna.trial import TrialState
 
 from hpo import report, worker
 from hpo.cli import main
-from hpo.config import load
 from hpo.errors import Terminated
 from hpo.outcome import Outcome
 from hpo.report import below_baseline_warning
 from hpo.storage import open_storage
 from hpo.study import make_sampler
+from hpo.study_files import load
 from hpo.worker import WorkerStopped, run_worker
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)

@@ -52,7 +52,7 @@ def check(ref: StudyRef) -> None:
     from hpo import study
 
     name = prepared.config.study.name
-    assert name is not None  # config.load names every study
+    assert name is not None  # study_files.load names every study
     existed = study_exists(prepared.storage, name)
     # The check keeps its verdicts in the study, so that `hpo run` does not repeat it: joining
     # creates the study, and a new one is said, with the ways to use or remove it. Like

@@ -14,10 +14,11 @@ import torch
 from transformers import AutoTokenizer
 
 from hpo import adapters
-from hpo.config import TrainingConfig, local_path
+from hpo.config import TrainingConfig
 from hpo.errors import ConfigError
 from hpo.final_report import FinalReport
 from hpo.models import config_of, resolve
+from hpo.study_files import local_path
 
 REPORT = "report.json"
 CARD = "README.md"

@@ -29,8 +29,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from hpo.config import local_path
 from hpo.errors import ModelError
+from hpo.study_files import local_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

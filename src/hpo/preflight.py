@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpo import config as config_module
+from hpo import study_files
 from hpo.config import StudyConfig
 from hpo.errors import ConfigError
 
@@ -37,16 +37,16 @@ class StudyRef:
 
     def path(self) -> Path | None:
         """The study file, if one can be found."""
-        return self.config or (config_module.find_study(self.study) if self.study else None)
+        return self.config or (study_files.find_study(self.study) if self.study else None)
 
 
 def load_config(ref: StudyRef) -> StudyConfig:
     path = ref.config
     if path is None:
         assert ref.study is not None, "a command that reads a study file names one"
-        path = config_module.study_path(ref.study)
-    overrides = config_module.environment_overrides() + list(ref.overrides)
-    return config_module.load(path, overrides, name=ref.study)
+        path = study_files.study_path(ref.study)
+    overrides = study_files.environment_overrides() + list(ref.overrides)
+    return study_files.load(path, overrides, name=ref.study)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _file_setting(ref: StudyRef, read: Any) -> Any:
     path = ref.path()
     if path is None or not path.is_file():
         return None
-    return read(config_module.load(path, name=ref.study).study)
+    return read(study_files.load(path, name=ref.study).study)
 
 
 def open_for_reading(ref: StudyRef, **options: Any) -> tuple[ResilientRDBStorage, str]:
@@ -138,7 +138,7 @@ def load_study(ref: StudyRef, opened: ResilientRDBStorage | None = None,
     # The name `hpo run` gave it: the file's study.name (with --set and the environment),
     # where a file is found; a study that has no file here is named by --study alone.
     name = ref.study if ref.study and ref.path() is None else load_config(ref).study.name
-    assert name is not None  # config.load names every study
+    assert name is not None  # study_files.load names every study
     try:
         return optuna.load_study(study_name=name, storage=opened)
     except KeyError:
@@ -154,8 +154,8 @@ def no_study(ref: StudyRef, name: str, names: list[str], url: str) -> str:
         why = f" (the name {path} gives it; `hpo run` or `hpo create` creates it)"
     elif ref.study:
         # No file either: the name alone was looked up, so either may be the typo.
-        why = (f", nor a study file {ref.study}.yaml in {config_module.STUDIES_DIR} or hpo's "
-               f"own (--study knows {', '.join(config_module.known_studies()) or 'none'})")
+        why = (f", nor a study file {ref.study}.yaml in {study_files.STUDIES_DIR} or hpo's "
+               f"own (--study knows {', '.join(study_files.known_studies()) or 'none'})")
     else:
         why = ""
     close = difflib.get_close_matches(name, names, n=1)

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpo.config import local_path
 from hpo.errors import DataError
+from hpo.study_files import local_path
 
 log = logging.getLogger(__name__)
 
