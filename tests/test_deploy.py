@@ -356,7 +356,8 @@ def dockerfile_base_default() -> str:
 
 
 def test_dockerfile_base_image_is_an_argument_defaulting_to_a_pinned_cuda_pytorch_runtime():
-    assert instruction("FROM") == ["${BASE_IMAGE}"]
+    # The requirements stage and the image both start from it: no other image is pulled.
+    assert instruction("FROM") == ["${BASE_IMAGE} AS requirements", "${BASE_IMAGE}"]
     base = dockerfile_base_default()
     assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", base), base
 
@@ -367,6 +368,10 @@ def test_dockerfile_runs_hpo_as_a_worker_by_default():
     assert json.loads(cmd) == ["run", "--study", "redsm5", "--n-trials", "200"]
     # With boto3, for an S3 artifact store of the kept models.
     assert any("pip install --no-cache-dir '.[s3]'" in rest for rest in instruction("RUN"))
+    # The dependencies' layer is keyed by their list alone, not by all of pyproject.toml.
+    copies = instruction("COPY")
+    assert copies.index("--from=requirements /requirements.txt /tmp/requirements.txt") < (
+        copies.index("pyproject.toml README.md ./"))
     users = instruction("USER")
     assert users and users[-1].split(":")[0] not in ("root", "0")
     assert instruction("WORKDIR") == ["/app"]
