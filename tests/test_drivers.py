@@ -24,32 +24,17 @@ def test_a_compile_failure_trains_the_trial_eagerly_with_a_warning(
         "hpo: warning: trial 0: torch.compile failed, so the trial trains without it")
 
 
-def test_the_last_epoch_is_never_pruned(tiny_study, storage, monkeypatch):
-    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
-    assert run(tiny_study, storage, 1, "--set", "training.epochs=1") == 0
+def test_a_trials_value_and_its_records_come_from_its_best_epoch(tiny_study, storage):
+    """The whole path once (the rule and the pruner's view: the unit tests below)."""
+    assert run(tiny_study, storage, 1, "--set", "training.epochs=3", "--set",
+               "study.pruner.name=none", "--set", "study.objective_epoch=best") == 0
     (trial,) = trials(storage)
-    assert trial.state == TrialState.COMPLETE and list(trial.intermediate_values) == [1]
-
-
-@pytest.mark.parametrize("rule", ["best", "last"])
-def test_a_trials_value_is_its_best_or_last_epoch_and_the_pruner_sees_the_same(
-    tiny_study, storage, rule
-):
-    assert run(tiny_study, storage, 3, "--set", "training.epochs=4", "--set",
-               "study.pruner.name=none", "--set", f"study.objective_epoch={rule}") == 0
-    for trial in trials(storage):
-        scores = trial.user_attrs["epoch_scores"]
-        assert len(scores) == 4
-        reported = [trial.intermediate_values[epoch] for epoch in range(1, 5)]
-        if rule == "best":
-            chosen = scores.index(max(scores))
-            assert reported == pytest.approx([max(scores[:i]) for i in range(1, 5)], abs=1e-4)
-        else:
-            chosen = 3
-            assert reported == pytest.approx(scores, abs=1e-4)
-        assert trial.user_attrs["value_epoch"] == chosen + 1
-        assert trial.value == pytest.approx(scores[chosen], abs=1e-4)
-        assert trial.user_attrs["macro_f1"] == pytest.approx(scores[chosen], abs=1e-4)
+    scores = trial.user_attrs["epoch_scores"]
+    chosen = scores.index(max(scores))
+    assert len(scores) == 3 and trial.user_attrs["value_epoch"] == chosen + 1
+    assert trial.value == pytest.approx(scores[chosen], abs=1e-4)
+    assert trial.user_attrs["macro_f1"] == pytest.approx(scores[chosen], abs=1e-4)
+    assert trial.intermediate_values[3] == pytest.approx(max(scores), abs=1e-4)
 
 
 def test_cross_validation_scores_each_fold_and_searches_the_batch_once(
@@ -138,3 +123,79 @@ def test_the_scorer_scores_at_threshold_one_half_and_returns_the_objective(monke
     # Predicted a; a and b; nothing, for a, a, b: a's F1 is 1, b's 0 (a false positive, a miss)
     assert len(into) == 1 and into[0].per_label == {"a": 1.0, "b": 0.0}
     assert value == into[0].micro_f1 == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+
+
+class _Said:
+    """A trial reporter that keeps the epochs it was told of."""
+
+    def __init__(self) -> None:
+        self.epochs: list[tuple[int, int, float]] = []
+
+    def epoch(self, number, epoch, epochs, score) -> None:
+        self.epochs.append((number, epoch, score))
+
+    def step(self, *_args) -> None: ...
+    def warning(self, text: str) -> None: ...
+    def message(self, text: str) -> None: ...
+
+
+def _fake_fit(values: list[float]):
+    """A `drivers.fit` whose epochs score `values`, with no model trained."""
+    from hpo import metrics
+
+    def fit(_models, _name, _training, _plan, _resources, _data, _pad_id, _evaluate, scores,
+            *, on_epoch, **_kwargs):
+        for epoch, value in enumerate(values, 1):
+            scores.append(metrics.Scores(value, value, {}))
+            on_epoch(epoch, value)
+        return None, len(values)
+
+    return fit
+
+
+def _trial_run(monkeypatch, values: list[float], rule: str):
+    """train_trial over fake epochs scoring `values`, on an in-memory study."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpo import drivers
+    from hpo.context import TrialContext
+    from hpo.liveness import LiveTrial
+    from hpo.study import StudyBatchCache
+
+    monkeypatch.setattr(drivers, "fit", _fake_fit(values))
+    study = optuna.create_study(direction="maximize")
+    said = _Said()
+    context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), said)
+    resources = SimpleNamespace(
+        config=SimpleNamespace(study=SimpleNamespace(objective="macro_f1",
+                                                     objective_epoch=rule)),
+        keeper=None, models=None, device=None, label_names=("a",),
+        gold=lambda: torch.zeros((1, 1), dtype=torch.bool))
+    planned = SimpleNamespace(plan=SimpleNamespace(epochs=len(values)), pad_id=0,
+                              params=SimpleNamespace(model_name="m"), training=None,
+                              train_data=None, validation_data=None)
+    trained = drivers.train_trial(context, planned, resources)
+    return trained, study, said
+
+
+@pytest.mark.parametrize(("rule", "seen", "value"), [
+    ("best", [0.3, 0.6, 0.6, 0.6], 0.6),
+    ("last", [0.3, 0.6, 0.5, 0.4], 0.4),
+])
+def test_the_pruner_sees_each_epoch_what_the_trials_value_would_be(monkeypatch, rule, seen,
+                                                                    value):
+    trained, study, said = _trial_run(monkeypatch, [0.3, 0.6, 0.5, 0.4], rule)
+    assert trained.value == value
+    (trial,) = study.get_trials(deepcopy=False)
+    assert [trial.intermediate_values[e] for e in (1, 2, 3, 4)] == seen
+    assert [score for _, _, score in said.epochs] == [0.3, 0.6, 0.5, 0.4]
+
+
+def test_the_pruner_stops_a_trial_after_any_epoch_but_its_last(monkeypatch):
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    with pytest.raises(optuna.TrialPruned, match="pruned at epoch 1"):
+        _trial_run(monkeypatch, [0.3, 0.6], "best")
+    trained, study, _ = _trial_run(monkeypatch, [0.3], "best")  # its last epoch: kept
+    assert trained.value == 0.3

@@ -15,9 +15,9 @@ def test_oom_in_training_prunes_the_trial_and_lowers_the_cached_batch(
     tiny_study, storage, monkeypatch
 ):
     monkeypatch.setenv("HPO_FAULT_OOM_AT_STEP", "2")
-    assert run(tiny_study, storage, 4) == 0
+    assert run(tiny_study, storage, 2) == 0
     ended = trials(storage)
-    assert len(ended) == 4
+    assert len(ended) == 2
     for trial in ended:
         assert trial.state == TrialState.PRUNED
         assert trial.user_attrs["prune_reason"] == "oom"
@@ -45,7 +45,7 @@ def test_nan_loss_prunes_the_trial(tiny_study, storage, monkeypatch):
 
 def test_pruner_verdict_prunes_with_reason(tiny_study, storage, monkeypatch):
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
-    assert run(tiny_study, storage, 2, "--set", "training.epochs=3") == 0
+    assert run(tiny_study, storage, 1, "--set", "training.epochs=3") == 0
     for trial in trials(storage):
         assert trial.state == TrialState.PRUNED
         assert trial.user_attrs["prune_reason"] == "pruner"

@@ -78,3 +78,18 @@ def test_a_retry_names_the_trial_it_re_runs():
     study, trial = _trial()
     records.record_retry(trial, 3)
     assert study.trials[0].user_attrs == {"retry_of": 3}
+
+
+def test_a_trials_scores_come_from_the_epoch_its_rule_chooses():
+    from hpo.metrics import Scores
+
+    scores = [Scores(0.3, 0.4, {"a": 0.3}), Scores(0.6, 0.5, {"a": 0.6}),
+              Scores(0.5, 0.7, {"a": 0.5})]
+    for rule, epoch in (("best", 2), ("last", 3)):
+        study, trial = _trial()
+        records.record_progress(trial, None, scores, "macro_f1", rule, None)
+        attrs = study.trials[0].user_attrs
+        assert attrs["value_epoch"] == epoch and attrs["epoch_scores"] == [0.3, 0.6, 0.5]
+        chosen = scores[epoch - 1]
+        assert (attrs["macro_f1"], attrs["micro_f1"], attrs["f1_per_symptom"]) == (
+            chosen.macro_f1, chosen.micro_f1, chosen.per_label)
