@@ -52,14 +52,14 @@ def test_the_report_json_layout():
 
 def test_checking_the_output_creates_nothing(tmp_path):
     output = tmp_path / "final" / "demo"
-    export.check_output(output)
+    export.validate_output(output)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_training(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"--output .*file/demo: cannot write there"):
-        export.check_output(tmp_path / "file" / "demo")
+        export.validate_output(tmp_path / "file" / "demo")
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, OSError])

@@ -57,4 +57,4 @@ def test_a_newer_worker_joins_an_older_study(tiny_study, tmp_path, found):
 @pytest.mark.parametrize("found", ["0.1.0", {"created_by": "x"}, {"format": True}])
 def test_a_record_hpo_did_not_write_is_named(found):
     with pytest.raises(release.StudyFormatError, match="study 'x' holds an unreadable"):
-        release.check("x", found)
+        release.validate("x", found)

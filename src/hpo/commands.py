@@ -157,7 +157,7 @@ def best(ref: StudyRef, fmt: str) -> None:
 def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: bool,
           output: Path | None) -> None:
     """Train the chosen trial again per seed, score it on the test split, export the model."""
-    # The trial's precision is what must be native here (final.check_precision), not all
+    # The trial's precision is what must be native here (final.validate_precision), not all
     # of the study file's.
     prepared = prepare(ref, runs_trials=False, existing=True)
 
@@ -166,7 +166,7 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
     from hpo.report import ConsoleReporter
     from hpo.resources import load_resources
     from hpo.space import PinnedSpace, declare
-    from hpo.study import check_splits, shared_batch_cache
+    from hpo.study import shared_batch_cache, splits_recorded
 
     config = prepared.config
     if not prepared.splits.test:
@@ -174,12 +174,12 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
                           f"held-out test split to score the final model on")
     optuna_study = load_study(ref, prepared.storage, prepared.url)
     reporter = ConsoleReporter()
-    if not check_splits(optuna_study, prepared.splits):
+    if not splits_recorded(optuna_study, prepared.splits):
         reporter.warning(f"study '{optuna_study.study_name}' recorded no data split (its "
                          f"workers predate that): the test split is taken to be the one its "
                          f"search held out")
     output = output or Path("final") / optuna_study.study_name
-    export.check_output(output)
+    export.validate_output(output)
     pinned = PinnedSpace(declare(config.search_space, None).declared, None)
     resources = load_resources(config, pinned, prepared.device, prepared.splits)
     options = final_module.Options(number=trial, seeds=seeds, refit=refit, tuned=tuned)

@@ -21,7 +21,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-def _check_range(low: float, high: float, log: bool) -> None:
+def _validate_range(low: float, high: float, log: bool) -> None:
     if low > high:
         raise ValueError(f"low ({low}) is greater than high ({high})")
     if log and low <= 0:
@@ -38,7 +38,7 @@ class FloatRange(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> FloatRange:
-        _check_range(self.low, self.high, self.log)
+        _validate_range(self.low, self.high, self.log)
         return self
 
 
@@ -54,7 +54,7 @@ class IntRange(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> IntRange:
-        _check_range(self.low, self.high, self.log)
+        _validate_range(self.low, self.high, self.log)
         if self.log and self.step != 1:
             raise ValueError("log scale and step cannot be combined")
         return self

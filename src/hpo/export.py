@@ -24,7 +24,7 @@ REPORT = "report.json"
 CARD = "README.md"
 
 
-def check_output(directory: Path) -> None:
+def validate_output(directory: Path) -> None:
     """Fail before any training if the model cannot be written where asked: a directory that
     cannot be created or written, or one that holds something other than an earlier export
     (which `write` replaces). Creates nothing: an interrupted run must leave no directory

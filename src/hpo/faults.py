@@ -58,7 +58,7 @@ def _int_env(name: str) -> int | None:
         raise FaultConfigError(f"{name} must be an integer, got {value!r}") from None
 
 
-def check_environment() -> None:
+def validate_environment() -> None:
     """Fail early on a malformed fault variable rather than in the middle of a trial."""
     _int_env(OOM_ABOVE_BATCH)
     _int_env(OOM_AT_STEP)

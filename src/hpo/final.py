@@ -143,7 +143,7 @@ def encode_splits(resources: Resources, splits: Splits, model_name: str,
                 resources.pad_id(model_name))
 
 
-def check_precision(found: Recipe, resources: Resources) -> None:
+def validate_precision(found: Recipe, resources: Resources) -> None:
     precision = found.params.fp_precision
     native = native_precisions(resources.device)
     if precision not in native:
@@ -249,7 +249,7 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
     equal ones), or the first seed's with --refit (no validation split is left to choose)."""
     config = resources.config
     found = recipe(study, options.number, config.training)
-    check_precision(found, resources)
+    validate_precision(found, resources)
     data = encode_splits(resources, splits, found.params.model_name, options.refit)
     names = resources.label_names
     data_config = config.data

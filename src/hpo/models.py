@@ -81,7 +81,7 @@ def hub_reachable(endpoint: str, seconds: float = 3.0) -> bool:
     return True
 
 
-def _check_source(name: str) -> None:
+def _validate_source(name: str) -> None:
     """Fail fast, saying what to do, for a model that is neither here nor reachable."""
     if Path(name).is_dir() or resolve(name) != name:  # here, or in a package
         return
@@ -105,11 +105,11 @@ def _check_source(name: str) -> None:
                      f"cannot be reached; {advice}")
 
 
-def check_loadable(names: list[str], max_length: int) -> None:
+def validate_loadable(names: list[str], max_length: int) -> None:
     """Load every model's config and tokenizer once, before any trial spends compute, and
     check that each can read sequences of `max_length` tokens."""
     for name in names:
-        _check_source(name)
+        _validate_source(name)
         source = resolve(name)
         try:
             AutoConfig.from_pretrained(source)

@@ -66,10 +66,10 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) 
     command that reads an `existing` search refuses a SQLite file that is not there."""
     from hpo import faults, storage
     from hpo.data.redsm5 import read_redsm5
-    from hpo.data.splits import check_folds, split_posts
+    from hpo.data.splits import split_posts, validate_folds
 
     config = load_config(ref)
-    faults.check_environment()
+    faults.validate_environment()
     url = storage.storage_url(ref.storage, config.study.storage)
     if existing:
         refuse_missing(url)  # before seconds of reading data and loading models
@@ -77,17 +77,17 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) 
     posts = read_redsm5(data.dir, special_case=data.special_case)
     splits = split_posts(posts, validation=data.validation_fraction, test=data.test_fraction,
                          seed=data.split_seed)
-    check_folds(splits, data.cv_folds)
+    validate_folds(splits, data.cv_folds)
 
     import optuna
 
     from hpo import hardware, models, space
 
     models.quiet_transformers()
-    models.check_loadable(config.search_space.model_name, data.max_length)
+    models.validate_loadable(config.search_space.model_name, data.max_length)
     device = hardware.detect(config.training.device)
     if runs_trials:
-        space.check_device(config, device)  # refuses emulated precisions before I/O
+        space.validate_device(config, device)  # refuses emulated precisions before I/O
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     opened = storage.open_storage(
         url, heartbeat_interval=config.study.heartbeat_interval,

@@ -42,11 +42,11 @@ def record(study: optuna.Study) -> dict:
         if study.trials:
             found["created_by"] = f"before {found['created_by']}"
         study.set_user_attr(ATTR, found)
-    check(study.study_name, found)
+    validate(study.study_name, found)
     return found
 
 
-def check(name: str, found: object) -> None:
+def validate(name: str, found: object) -> None:
     """Raise StudyFormatError unless this release reads the format recorded in `found`."""
     record = found if isinstance(found, dict) else {}
     stored = record.get("format")

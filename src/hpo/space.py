@@ -147,7 +147,7 @@ def _spread(complete: dict[str, dict[str, float]], spreads: dict[str, dict[str, 
                for name, steps in complete.items())
 
 
-def check_device(config: StudyConfig, device: Device) -> PinnedSpace:
+def validate_device(config: StudyConfig, device: Device) -> PinnedSpace:
     """The study file against a device that runs its trials: every precision it searches,
     and a bf16 body (`training.base_dtype`), must run natively there."""
     pinned = declare(config.search_space, device)

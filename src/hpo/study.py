@@ -154,11 +154,11 @@ def pin_splits(study: optuna.Study, splits: Splits) -> None:
     data or split settings give other posts in a split refuses, since a trial trained on
     another worker's validation or test posts would make the search's scores, and the
     final test score, dishonest."""
-    if not check_splits(study, splits):
+    if not splits_recorded(study, splits):
         study.set_user_attr(SPLITS, fingerprint(splits))
 
 
-def check_splits(study: optuna.Study, splits: Splits) -> bool:
+def splits_recorded(study: optuna.Study, splits: Splits) -> bool:
     """True if the study recorded these splits, False if it recorded none; DataError if it
     recorded others."""
     stored, mine = study.user_attrs.get(SPLITS), fingerprint(splits)

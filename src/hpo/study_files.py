@@ -134,7 +134,7 @@ def apply_override(raw: dict[str, Any], override: Override | str) -> None:
     if isinstance(override, str):
         override = Override.parse(override)
     parts = override.key.split(".")
-    _check_key(parts, override)
+    _validate_key(parts, override)
     try:
         value = yaml.safe_load(override.text)
     except yaml.YAMLError:
@@ -149,7 +149,7 @@ def apply_override(raw: dict[str, Any], override: Override | str) -> None:
     node[parts[-1]] = value
 
 
-def _check_key(parts: list[str], override: Override) -> None:
+def _validate_key(parts: list[str], override: Override) -> None:
     model: type[BaseModel] | None = StudyConfig
     for depth, part in enumerate(parts):
         if model is None or part not in model.model_fields:

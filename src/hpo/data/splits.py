@@ -34,7 +34,7 @@ def fingerprint(splits: Splits) -> dict[str, dict[str, int | str]]:
     }
 
 
-def check_folds(splits: Splits, k: int | None) -> None:
+def validate_folds(splits: Splits, k: int | None) -> None:
     """`data.cv_folds` folds need at least one training or validation post each."""
     pooled = len(splits.train) + len(splits.validation)
     if k and pooled < k:

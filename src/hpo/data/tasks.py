@@ -43,7 +43,7 @@ def build_examples(
     posts: Sequence[Post], task: str, *, special_case: bool = False
 ) -> list[Example]:
     """Examples in post order; for nli_pairs, each post's pairs follow label order."""
-    _check_task(task)
+    _validate_task(task)
     names = label_names(special_case)
     if task == "multilabel":
         return [
@@ -67,6 +67,6 @@ def build_examples(
     ]
 
 
-def _check_task(task: str) -> None:
+def _validate_task(task: str) -> None:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r} (expected one of {', '.join(TASKS)})")
