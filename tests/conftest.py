@@ -275,18 +275,37 @@ def run_in_process(study_file: Path, storage: str, n: int, *extra: str) -> int:
 
 
 class Quiet:
-    """A worker loop's reporter that keeps its messages instead of printing them."""
+    """A worker's reporter (its loop's and its trials') that keeps what it was told instead of
+    printing it: messages and warnings, and each epoch as (trial number, epoch, score)."""
 
     def __init__(self) -> None:
         self.messages: list[str] = []
+        self.epochs: list[tuple[int, int, float]] = []
 
     def message(self, text: str) -> None:
+        self.messages.append(text)
+
+    def warning(self, text: str) -> None:
         self.messages.append(text)
 
     def trial_finished(self, trial, outcome) -> None: ...
 
     def interrupted(self, text: str) -> None:
         self.messages.append(text)
+
+    def trial_started(self, number, params, plan, probes) -> None: ...
+
+    def step(self, number, progress, epochs) -> None: ...
+
+    def epoch(self, number, epoch, epochs, score) -> None:
+        self.epochs.append((number, epoch, score))
+
+
+def write_study(tmp_path: Path, data) -> Path:
+    """A study file in `tmp_path` holding `data`: a mapping dumped as YAML, or the text."""
+    path = tmp_path / "study.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
 
 
 def load(storage: str, name: str = "tiny") -> optuna.Study:

@@ -1,23 +1,15 @@
 """The schema: each key's type and range, and how the keys of a study file go together."""
 
-from pathlib import Path
 
 import pytest
-import yaml
-from conftest import study_dict
+from conftest import study_dict, write_study
 
 from hpo.errors import ConfigError
 from hpo.study_files import load
 
 
-def write(tmp_path: Path, data) -> Path:
-    path = tmp_path / "study.yaml"
-    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    return path
-
-
 def test_defaults_and_name(tmp_path):
-    loaded = load(write(tmp_path, study_dict(["m"], tmp_path)))
+    loaded = load(write_study(tmp_path, study_dict(["m"], tmp_path)))
     assert loaded.study.name == "study"
     assert loaded.training.safety_margin == 0.9
     assert loaded.training.max_grad_norm == 1.0
@@ -60,14 +52,14 @@ def test_invalid_files_name_the_key(tmp_path, change, message):
     data = study_dict(["m"], tmp_path)
     change(data)
     with pytest.raises(ConfigError, match=message) as info:
-        load(write(tmp_path, data))
+        load(write_study(tmp_path, data))
     assert "\n" not in str(info.value)
     assert str(tmp_path) in str(info.value)
 
 
 @pytest.mark.parametrize("name", ["successive_halving", "hyperband"])
 def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_path, name):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
     with pytest.raises(ConfigError, match=rf"study.pruner.min_resource \(2\) must be below the "
                                           rf"2 steps a trial reports .*: {name} would prune"):
         load(path, ["training.epochs=2", f"study.pruner.name={name}",
@@ -80,7 +72,7 @@ def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mi
         tmp_path):
     data = study_dict(["m"], tmp_path)
     del data["study"]["pruner"]
-    path = write(tmp_path, data)
+    path = write_study(tmp_path, data)
     loaded = load(path, ["training.epochs=1"])
     assert loaded.study.pruner.name == "successive_halving"
     assert load(path, ["training.epochs=2"]).study.pruner.min_resource == 1
@@ -114,13 +106,13 @@ def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mi
      r"adapter_learning_rate is set, but the set may run without adapters"),
 ])
 def test_adapter_settings_are_checked_when_the_file_is_read(tmp_path, overrides, message):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
     with pytest.raises(ConfigError, match=message):
         load(path, overrides)
 
 
 def test_an_adapter_set_with_its_method_may_be_enqueued(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
     loaded = load(path, ["search_space.peft=[none, lora]", "search_space.lora_r=[4, 8]",
                                 "study.enqueue=[{peft: lora, lora_r: 8}, {peft: none}]"])
     assert loaded.study.enqueue == [{"peft": "lora", "lora_r": 8}, {"peft": "none"}]

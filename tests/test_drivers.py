@@ -5,6 +5,7 @@ each epoch but the last, K folds with one batch search, a compiler failure train
 
 import optuna
 import pytest
+from conftest import Quiet
 from conftest import run_in_process as run
 from conftest import trials_of as trials
 from optuna.trial import TrialState
@@ -125,20 +126,6 @@ def test_the_scorer_scores_at_threshold_one_half_and_returns_the_objective(monke
     assert value == into[0].micro_f1 == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
 
 
-class _Said:
-    """A trial reporter that keeps the epochs it was told of."""
-
-    def __init__(self) -> None:
-        self.epochs: list[tuple[int, int, float]] = []
-
-    def epoch(self, number, epoch, epochs, score) -> None:
-        self.epochs.append((number, epoch, score))
-
-    def step(self, *_args) -> None: ...
-    def warning(self, text: str) -> None: ...
-    def message(self, text: str) -> None: ...
-
-
 def _fake_fit(values: list[float]):
     """A `drivers.fit` whose epochs score `values`, with no model trained."""
     from hpo import metrics
@@ -166,7 +153,7 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
 
     monkeypatch.setattr(drivers, "fit", _fake_fit(values))
     study = optuna.create_study(direction="maximize")
-    said = _Said()
+    said = Quiet()
     context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), said)
     resources = SimpleNamespace(
         config=SimpleNamespace(study=SimpleNamespace(objective="macro_f1",

@@ -4,21 +4,13 @@ environment overrides, and every problem of a file in one line."""
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
-import yaml
-from conftest import REPO, study_dict
+from conftest import REPO, study_dict, write_study
 
 from hpo import study_files
 from hpo.errors import ConfigError
 from hpo.study_files import load
-
-
-def write(tmp_path: Path, data) -> Path:
-    path = tmp_path / "study.yaml"
-    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    return path
 
 
 @pytest.mark.parametrize("name", ["demo", "redsm5"])
@@ -31,7 +23,7 @@ def test_shipped_study_files_are_valid_and_say_how_to_run_them(name):
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):
-    path = write(tmp_path, "data:\n  dir: [unclosed\n")
+    path = write_study(tmp_path, "data:\n  dir: [unclosed\n")
     with pytest.raises(ConfigError, match=r"study.yaml: malformed YAML \(line \d+"):
         load(path)
 
@@ -42,7 +34,7 @@ def test_missing_file(tmp_path):
 
 
 def test_overrides_are_typed(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
     loaded = load(path, [
         "training.epochs=5",
         "search_space.learning_rate.low=2e-5",
@@ -60,7 +52,7 @@ def test_overrides_are_typed(tmp_path):
 
 
 def test_override_can_add_an_optional_section(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
     loaded = load(
         path, ["search_space.weight_decay.low=0", "search_space.weight_decay.high=0.1"]
     )
@@ -78,12 +70,12 @@ def test_override_can_add_an_optional_section(tmp_path):
 )
 def test_bad_overrides(tmp_path, item, message):
     with pytest.raises(ConfigError, match=message):
-        load(write(tmp_path, study_dict(["m"], tmp_path)), [item])
+        load(write_study(tmp_path, study_dict(["m"], tmp_path)), [item])
 
 
 def test_override_with_wrong_type(tmp_path):
     with pytest.raises(ConfigError, match="training.epochs"):
-        load(write(tmp_path, study_dict(["m"], tmp_path)), ["training.epochs=many"])
+        load(write_study(tmp_path, study_dict(["m"], tmp_path)), ["training.epochs=many"])
 
 
 def test_every_problem_of_a_file_is_reported_at_once_with_suggestions(tmp_path):
@@ -93,7 +85,7 @@ def test_every_problem_of_a_file_is_reported_at_once_with_suggestions(tmp_path):
     data["data"]["max_length"] = 4
     del data["data"]["dir"]
     with pytest.raises(ConfigError) as info:
-        load(write(tmp_path, data))
+        load(write_study(tmp_path, data))
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{tmp_path / 'study.yaml'}: ")
     for problem in ("unknown key 'training.epoch' (did you mean 'epochs'?)",
@@ -104,7 +96,7 @@ def test_every_problem_of_a_file_is_reported_at_once_with_suggestions(tmp_path):
 
 
 def test_a_bad_override_value_is_blamed_on_the_override_not_the_file(tmp_path):
-    path = write(tmp_path, study_dict(["m"], tmp_path))
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
     with pytest.raises(ConfigError) as info:
         load(path, ["training.epochs=many"])
     assert str(info.value).startswith("--set training.epochs=many: training.epochs: ")
