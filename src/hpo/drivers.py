@@ -138,8 +138,10 @@ def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resourc
 
     def on_built(base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
         nonlocal warned
-        prepared.append(model)
+        # Recorded first: a trial reaped while it was built fails here, before any record of
+        # its progress would carry it over to a retry copy it then leaves unfinished.
         records.record_model(context.trial, base, resources.device.type, seconds)
+        prepared.append(model)
         warned = records.warn_eager(context.trial.number, model, reporter, None)
 
     def on_epoch(epoch: int, score: float) -> None:
@@ -200,9 +202,9 @@ def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resourc
 
             def on_built(base: torch.nn.Module, model: torch.nn.Module, took: float,
                          first: bool = index == 1, built: list = built) -> None:
-                built.append(model)
                 if first:  # the first fold's, as every fold builds the same model
                     records.record_model(context.trial, base, device.type, took)
+                built.append(model)
 
             fit(resources.models, planned.params.model_name, planned.training, plan, resources,
                 fold.train, planned.pad_id,

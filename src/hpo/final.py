@@ -180,14 +180,14 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     # With --refit no validation split is left to score: the last epoch is kept unscored.
     evaluate = ((lambda _model: math.nan) if refit
                 else scorer(resources, plan, data.validation, gold, data.pad_id, scores))
-    reporter.run_started(label, plan)
     # A store of its own: each seed's initial weights are needed once.
     model, kept_epoch = fit(ModelStore(), found.params.model_name,
                             found.training.model_copy(update={"seed": seed}), plan, resources,
                             data.train, data.pad_id, evaluate, scores, snapshot=not refit,
                             on_epoch=lambda epoch, score: reporter.epoch(label, epoch,
                                                                          plan.epochs, score),
-                            on_step=lambda p: reporter.step(label, p, plan.epochs))
+                            on_step=lambda p: reporter.step(label, p, plan.epochs),
+                            on_built=lambda *_: reporter.run_started(label, plan))
     kept_score = None if refit else scores[kept_epoch - 1].get(objective)
     # Adapters folded into the body, all in float32: the model as it is exported.
     model = adapters.merged(model)
