@@ -87,10 +87,13 @@ def test_imported_modules_absolute_only_at_any_depth(tmp_path):
         "a.py": "import optuna.storages\nfrom sqlalchemy import orm\nfrom . import b\n",
         "b.py": "def f():\n    import boto3\n    from hpo.a import x\n    from .a import y\n",
         "data/c.py": "import yaml as y\nfrom optuna import trial\n",
+        # Read by a type checker only: nothing to carry.
+        "d.py": "import typing\nif typing.TYPE_CHECKING:\n    import pydantic_core\n"
+                "else:\n    import psutil\n",
     })
     found = travel.imported_modules(source)
     assert found == {"optuna": {"hpo/a.py", "hpo/data/c.py"}, "sqlalchemy": {"hpo/a.py"},
-                     "boto3": {"hpo/b.py"}, "yaml": {"hpo/data/c.py"}}
+                     "boto3": {"hpo/b.py"}, "yaml": {"hpo/data/c.py"}, "psutil": {"hpo/d.py"}}
 
 
 def test_wheel_top_levels_from_top_level_txt_and_record(tmp_path):

@@ -171,14 +171,27 @@ def imported_modules(source: Path) -> dict[str, set[str]]:
 
 
 def _absolute_imports(tree: ast.AST) -> list[str]:
-    """The module names of a tree's `import X` and `from X import ...` (level 0)."""
+    """The module names of a tree's `import X` and `from X import ...` (level 0), except
+    those under `if TYPE_CHECKING:`, which only a type checker reads."""
     names: list[str] = []
-    for node in ast.walk(tree):
+    nodes = [tree]
+    while nodes:
+        node = nodes.pop()
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append(node.module)
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            nodes += node.orelse
+        else:
+            nodes += ast.iter_child_nodes(node)
     return names
+
+
+def _type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def wheel_top_levels(wheel: Path) -> set[str]:
