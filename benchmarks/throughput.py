@@ -192,7 +192,7 @@ def run_trainer(b: Bench, run: str) -> Result:
     # with it, the same mean BCE with the same pos_weight as the hpo run.
     loss = None if b.pos_weight is None else lambda out, labels, **_: (
         torch.nn.functional.binary_cross_entropy_with_logits(
-            out.logits.float(), labels, pos_weight=b.pos_weight))
+            out.logits.float(), labels, pos_weight=b.pos_weight.to(out.logits.device)))
     model = b.store.build(b.args.model, len(SYMPTOMS), seed=0)
     with tempfile.TemporaryDirectory() as out:
         training_args = TrainingArguments(

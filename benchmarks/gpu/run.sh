@@ -3,6 +3,7 @@
 #
 #     bash benchmarks/gpu/run.sh OUTDIR              # on the GPU machine, from the repository
 #     bash benchmarks/gpu/run.sh --rehearse OUTDIR   # here: every step on this CPU, tiny models
+#     bash benchmarks/gpu/run.sh OUTDIR --steps oom loop   # some steps, in the order named
 #
 # Prepare first, here: `bash benchmarks/gpu/prepare.sh` (the wheels the GPU image lacks, and
 # hpo's own, in benchmarks/gpu/wheels/, which the device tool's call must carry). On the GPU the
@@ -14,7 +15,8 @@
 set -uo pipefail
 rehearse=""
 if [ "${1:-}" = "--rehearse" ]; then rehearse=--rehearse; shift; fi
-out=${1:?usage: bash benchmarks/gpu/run.sh [--rehearse] OUTDIR}
+out=${1:?usage: bash benchmarks/gpu/run.sh [--rehearse] OUTDIR [check.py options]}
+shift
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -37,8 +39,8 @@ main() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   fi
   timeout --signal=INT --kill-after=20 "${HPO_GPU_SECONDS:-450}" \
-    "$python" "$here/check.py" --out "$out" $rehearse
+    "$python" "$here/check.py" --out "$out" $rehearse "$@"
 }
 
-main 2>&1 | tee "$out/run.log"
+main "$@" 2>&1 | tee "$out/run.log"
 exit "${PIPESTATUS[0]}"

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 GPU = REPO / "benchmarks" / "gpu"
-STEPS = ["hardware", "check", "batch_search", "oom", "study", "loop"]
+STEPS = ["hardware", "check", "batch_search", "oom", "study", "loop", "auto"]
 
 
 @pytest.mark.slow
@@ -41,4 +41,5 @@ def test_the_gpu_check_rehearses_every_step_on_the_cpu(tmp_path):
         steps["study"]["final"]["test_macro_f1"], abs=2e-3)
     assert steps["loop"]["hpo_over_trainer"] > 0 and all(
         row["mfu"] > 0 for row in steps["loop"]["rows"].values())
+    assert steps["auto"]["pinned"]["decided"]["by"] == "cost"
     assert (out / "run.log").read_text().count("== step") == 2 * len(STEPS)
