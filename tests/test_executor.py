@@ -237,3 +237,23 @@ def test_tell_drops_the_result_of_a_trial_reaped_with_no_copy_to_carry_it():
     told, frozen = tell(context, Outcome(TrialState.COMPLETE, value=0.5))
     assert told.dropped and "was reaped while it ran" in told.dropped
     assert frozen.state == TrialState.FAIL and frozen.value is None
+
+
+def test_an_oom_lowers_the_studys_limit_only_where_the_device_was_not_shared(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import H100
+
+    from hpo import executor
+
+    planned = SimpleNamespace(batch_key="m|bf16", plan=SimpleNamespace(physical_batch=12),
+                              shared_bytes=0)
+    held = [0]
+    monkeypatch.setattr(executor.memory, "foreign_bytes", lambda _device: held[0])
+    assert executor.tried_alone(planned, H100) == ("m|bf16", 12)  # type: ignore[arg-type]
+    held[0] = 2**30  # another process holds memory now
+    assert executor.tried_alone(planned, H100) is None  # type: ignore[arg-type]
+    held[0] = 0
+    planned.shared_bytes = 2**30  # it did when the batch was fitted
+    assert executor.tried_alone(planned, H100) is None  # type: ignore[arg-type]
+    assert executor.tried_alone(None, H100) is None

@@ -278,3 +278,31 @@ def test_a_gpu_steps_memory_is_its_allocators_peak_above_what_was_allocated(monk
 
     assert memory.step_memory(H100, step) == 3 * 2**30
     assert memory.free_bytes(H100) == 70 * 2**30
+
+
+def test_memory_other_processes_hold_on_a_gpu_is_what_is_used_beyond_this_ones(monkeypatch):
+    from conftest import CPU_AVX2, H100
+
+    state = {"free": 80 * 2**30 - 2**30, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _index: (state["free"], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _index: state["reserved"])
+    # Alone: this process's context (1 GiB here) is within the allowance.
+    assert memory.foreign_bytes(H100) == 0
+    # Its own reserve, however large, is its own.
+    state.update(free=10 * 2**30, reserved=69 * 2**30)
+    assert memory.foreign_bytes(H100) == 0
+    # Another worker holding 40 GiB beside this one's context.
+    state.update(free=39 * 2**30, reserved=0)
+    assert memory.foreign_bytes(H100) == 41 * 2**30 - memory.CONTEXT_ALLOWANCE
+    assert memory.foreign_bytes(CPU_AVX2) == 0
+
+
+def test_the_memory_model_sizes_for_what_other_processes_leave(monkeypatch):
+    from conftest import H100
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda _index: None)
+    alone = memory.device_memory_probe(H100)
+    shared = memory.device_memory_probe(H100, foreign=40 * 2**30)
+    assert alone is not None and shared is not None
+    assert alone.capacity == int(0.95 * 80 * 2**30)
+    assert shared.capacity == int(0.95 * 40 * 2**30)

@@ -126,3 +126,40 @@ def test_a_combination_the_check_found_unusable_is_refused_before_any_probe(
     with pytest.raises(check.Unusable, match="m none: its step failed in the check"):
         planning.plan_trial(context, Params("m", "none", 8, 1e-4), _resources(tmp_path))
     assert tried == []
+
+
+def test_on_a_shared_device_the_search_ignores_the_cached_limit_and_caches_nothing(
+        tmp_path, fits_up_to):
+    # Another process holds memory: a limit found alone (100 fits) may not fit now, and
+    # what fits now must not cap every worker on this kind of device.
+    _, tried = fits_up_to
+    resources = _resources(tmp_path)
+    cache = StudyBatchCache(optuna.create_study())
+    params = Params("m", "none", 16, 1e-4)
+    key = planning.cache_key(params, resources.config.training, 32, CPU)
+    cache.update(key, BatchLimit(100, 200))
+    training = resources.config.training
+    plan, _, probes = planning.fit_batch(planning.base_plan(params, training), params,
+                                         training, 2, resources, cache, shared=2**30)
+    assert probes == len(tried) > 0 and plan.physical_batch == 4
+    assert cache.get(key) == BatchLimit(100, 200)
+
+
+def test_a_trial_planned_on_a_shared_device_says_so_and_records_it(
+        tmp_path, fits_up_to, monkeypatch):
+    from conftest import Quiet
+
+    monkeypatch.setattr(check, "unusable", lambda *_args: None)
+    monkeypatch.setattr(planning.memory, "foreign_bytes", lambda _device: 3 * 2**30)
+    data = SimpleNamespace(labels=torch.zeros(4, 2))
+    monkeypatch.setattr(Resources, "encoded", lambda _self, _name: (data, data, "fake"))
+    monkeypatch.setattr(Resources, "pad_id", lambda _self, _name: 0)
+    study = optuna.create_study()
+    reporter = Quiet()
+    context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study),
+                           reporter=reporter)  # type: ignore[arg-type]
+    planned = planning.plan_trial(context, Params("m", "none", 8, 1e-4), _resources(tmp_path))
+    assert planned.shared_bytes == 3 * 2**30 and planned.plan.physical_batch == 4
+    assert any("other processes hold 3.0 GiB" in m and "one worker per GPU" in m
+               for m in reporter.messages), reporter.messages
+    assert not [k for k in study.user_attrs if k.startswith(StudyBatchCache.PREFIX)]

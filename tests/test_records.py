@@ -63,7 +63,7 @@ def test_a_plans_batches_and_set_up_seconds():
                            eval_batch=5)
     planned = SimpleNamespace(
         plan=plan, probes=3, train_data=[None] * 40, tokenization="the tokenizer",
-        tokenization_seconds=0.12345, batch_search_seconds=1.5,
+        tokenization_seconds=0.12345, batch_search_seconds=1.5, shared_bytes=0,
         training=SimpleNamespace(model_dump=lambda mode: {"epochs": 1}))
     records.record_plan(trial, planned)  # type: ignore[arg-type]
     attrs = study.trials[0].user_attrs
@@ -72,6 +72,11 @@ def test_a_plans_batches_and_set_up_seconds():
     assert (attrs["tokenization"], attrs["tokenization_seconds"],
             attrs["batch_search_seconds"]) == ("the tokenizer", 0.123, 1.5)
     assert attrs["training"] == {"epochs": 1}
+    assert "device_shared_gib" not in attrs  # a device the worker had to itself
+    shared, trial = _trial()
+    records.record_plan(trial, SimpleNamespace(**{  # type: ignore[arg-type]
+        **vars(planned), "shared_bytes": 3 * 2**29}))
+    assert shared.trials[0].user_attrs["device_shared_gib"] == 1.5
 
 
 def test_a_retry_names_the_trial_it_re_runs():

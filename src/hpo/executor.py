@@ -21,6 +21,7 @@ from hpo import check, faults, memory, records
 from hpo.context import TrialContext
 from hpo.drivers import Trained, train_folds, train_trial
 from hpo.errors import Terminated, one_line
+from hpo.hardware import Device
 from hpo.outcome import INTERRUPTED, ChildDied, GivenBack, Outcome, Reaped
 from hpo.planning import PlannedTrial, plan_trial
 from hpo.resources import Resources
@@ -119,9 +120,17 @@ def execute(context: TrialContext, resources: Resources, params: Params | None =
     device_memory = memory.after_trial(resources.device, device_memory)
     if outcome.dropped:
         return outcome, _stored(context)
-    tried = (planned.batch_key, planned.plan.physical_batch) if planned is not None else None
-    return tell(context, outcome, tried=tried, failed_at=failed_at, started=started,
-                device_memory=device_memory)
+    return tell(context, outcome, tried=tried_alone(planned, resources.device),
+                failed_at=failed_at, started=started, device_memory=device_memory)
+
+
+def tried_alone(planned: PlannedTrial | None, device: Device) -> tuple[str, int] | None:
+    """The cache key and micro-batch an OOM lowers the study's limit for. An OOM on a device
+    other processes held memory of, when the batch was fitted or now, says nothing of what
+    fits the device alone: then none."""
+    if planned is None or planned.shared_bytes or memory.foreign_bytes(device):
+        return None
+    return planned.batch_key, planned.plan.physical_batch
 
 
 def _stored(context: TrialContext) -> FrozenTrial:

@@ -162,7 +162,8 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
     if refit and resources.config.study.objective_epoch == "best":
         training = training.model_copy(update={"epochs": found.value_epoch})
     plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
-                                num_labels, resources, cache)
+                                num_labels, resources, cache,
+                                shared=memory.foreign_bytes(resources.device))
     return plan, probes
 
 

@@ -157,9 +157,26 @@ def search_bound(device: Device, target: int, max_physical: int) -> int:
     return min(target, max_physical)
 
 
-def device_memory_probe(device: Device) -> MemoryProbe | None:
-    """A CUDA device's allocator reports peaks; 5% of its memory is left to the allocator's
-    own fragmentation and the CUDA context."""
+# What a process holds on a CUDA device outside its allocator's reserve (the context, the
+# libraries' modules) stays under this; beyond it, the device is shared with another process.
+CONTEXT_ALLOWANCE = 3 * 2**29  # 1.5 GiB
+
+
+def foreign_bytes(device: Device) -> int:
+    """The memory of a CUDA device that other processes hold now, beyond this process's
+    context allowance: 0 off CUDA and on a device this process has to itself. Another worker
+    on the same GPU shows here; the batch search sizes for the whole device otherwise."""
+    if device.type != "cuda":
+        return 0
+    index = device.torch_device
+    free, total = torch.cuda.mem_get_info(index)
+    return max(0, total - free - torch.cuda.memory_reserved(index) - CONTEXT_ALLOWANCE)
+
+
+def device_memory_probe(device: Device, foreign: int = 0) -> MemoryProbe | None:
+    """A CUDA device's allocator reports peaks; 5% of the memory this process may use (all of
+    it, less what `foreign` processes hold) is left to the allocator's own fragmentation and
+    the CUDA context."""
     if device.type != "cuda":
         return None
     index = device.torch_device
@@ -170,7 +187,7 @@ def device_memory_probe(device: Device) -> MemoryProbe | None:
         return value
 
     torch.cuda.reset_peak_memory_stats(index)
-    return MemoryProbe(capacity=int(0.95 * device.total_memory), peak=peak)
+    return MemoryProbe(capacity=int(0.95 * (device.total_memory - foreign)), peak=peak)
 
 
 def step_memory(device: Device, step: Callable[[], object]) -> int | None:

@@ -39,6 +39,9 @@ class PlannedTrial:
     tokenization: str  # where the tokens came from (`Resources.encoded`)
     tokenization_seconds: float
     batch_search_seconds: float
+    # Bytes of the device other processes held when the batch was fitted (`memory.
+    # foreign_bytes`): its limit was kept out of the study's cache, and an OOM lowers nothing.
+    shared_bytes: int = 0
 
 
 def cache_key(params: Params, training: TrainingConfig, max_length: int, device: Device) -> str:
@@ -61,13 +64,23 @@ def plan_trial(context: TrialContext, params: Params, resources: Resources) -> P
     train_data, validation_data, source = resources.encoded(params.model_name)
     tokenization_seconds = time.perf_counter() - began
     began = time.perf_counter()
+    shared = memory.foreign_bytes(device)
+    if shared:
+        context.reporter.warning(shared_device_warning(device, shared))
     plan, key, probes = fit_batch(base_plan(params, training), params, training,
                                   train_data.labels.shape[1], resources, context.cache,
-                                  context.watch)
+                                  context.watch, shared=shared)
     searched = time.perf_counter() - began
     return PlannedTrial(params, training, plan, key, probes, train_data, validation_data,
-                     resources.pad_id(params.model_name), source, tokenization_seconds,
-                     searched)
+                        resources.pad_id(params.model_name), source, tokenization_seconds,
+                        searched, shared)
+
+
+def shared_device_warning(device: Device, shared: int) -> str:
+    return (f"other processes hold {shared / 2**30:.1f} GiB of {device.describe()}: this "
+            f"trial's batch is searched for what is left now, and neither its limit nor an "
+            f"out-of-memory error goes into the study's cache, which every worker on this "
+            f"kind of device trusts; run one worker per GPU (CUDA_VISIBLE_DEVICES)")
 
 
 def base_plan(params: Params, training: TrainingConfig) -> Plan:
@@ -90,10 +103,12 @@ def base_plan(params: Params, training: TrainingConfig) -> Plan:
 
 def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: int,
               resources: Resources, cache: StudyBatchCache, watch: Watch = unwatched,
-              ) -> tuple[Plan, str, int]:
+              *, shared: int = 0) -> tuple[Plan, str, int]:
     """`base` with the physical and evaluation batches that fit this device: the study's
     cached limit for the model and precision, searched (probes > 0) where there is none.
-    Returns the plan, the cache key and the number of probes."""
+    On a device other processes hold `shared` bytes of, what fits changes with what they
+    hold: the search starts from what is known to fail, sizes for what is left, and its
+    result stays with this trial. Returns the plan, the cache key and the number of probes."""
     config, device = resources.config, resources.device
     tokenizer = resources.models.tokenizer(params.model_name)
     key = cache_key(params, training, config.data.max_length, device)
@@ -104,7 +119,7 @@ def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: 
     searched_to = memory.search_bound(device, params.target_effective_batch_size,
                                       training.max_physical_batch_size)
     limit, probes = _find_batch(build, base, device, key, searched_to, cache, probe_length,
-                                watch)
+                                watch, shared)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
     plan = replace(
         base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
@@ -114,9 +129,11 @@ def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: 
 
 def _find_batch(
     build: Callable[[], torch.nn.Module], plan: Plan, device: Device, key: str, bound: int,
-    cache: StudyBatchCache, length: int, watch: Watch,
+    cache: StudyBatchCache, length: int, watch: Watch, shared: int = 0,
 ) -> tuple[memory.BatchLimit, int]:
     known = cache.get(key)
+    if shared:
+        known = memory.BatchLimit(0, known.smallest_fail)
     holder: dict[str, torch.nn.Module] = {}
 
     def step(batch: int) -> None:
@@ -127,10 +144,10 @@ def _find_batch(
         model.zero_grad(set_to_none=True)
         probe_step(model, plan, device, batch, length, config_of(model).vocab_size)
 
-    result = memory.search(step, bound, known, memory.device_memory_probe(device))
+    result = memory.search(step, bound, known, memory.device_memory_probe(device, shared))
     holder.clear()
     memory.release_memory()
-    limit = cache.update(key, result.limit) if result.probes else result.limit
+    limit = cache.update(key, result.limit) if result.probes and not shared else result.limit
     if limit.largest_ok == 0:
         raise torch.OutOfMemoryError(f"out of memory even at micro-batch 1 ({key})")
     return limit, result.probes

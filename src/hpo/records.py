@@ -52,6 +52,8 @@ def record_plan(trial: optuna.Trial, planned: PlannedTrial) -> None:
     trial.set_user_attr("tokenization", planned.tokenization)
     trial.set_user_attr("tokenization_seconds", round(planned.tokenization_seconds, 3))
     trial.set_user_attr("batch_search_seconds", round(planned.batch_search_seconds, 3))
+    if planned.shared_bytes:
+        trial.set_user_attr("device_shared_gib", round(planned.shared_bytes / 2**30, 2))
     trial.set_user_attr("samples_dropped_per_epoch",
                         len(planned.train_data) % plan.effective_batch)
     # The resolved settings beside the result, enough to repeat the run.
