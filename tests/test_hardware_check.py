@@ -73,3 +73,16 @@ def test_noisy_timings_are_warned_of_and_the_verdict_stays_with_the_capability()
         dataclasses.replace(m, spread=0.1) for m in steps))
     assert hardware_check.noise_warnings(idle) == []
     assert "warning" not in hardware_check.render(idle)
+
+
+def test_a_gpu_times_a_base_size_bert_at_full_length_where_a_small_one_is_launch_bound():
+    assert hardware_check.shape_for(CPU_AVX2) == hardware_check.SHAPES["cpu"]
+    shape = hardware_check.shape_for(H100)
+    assert (shape.hidden, shape.layers, shape.length) == (768, 12, 512)
+    steps = (Measurement("none", 0.09, 1.0, 5000.0), Measurement("bf16", 0.04, 2.25, 3000.0),
+             Measurement("fp16", 0.04, 2.25, 3000.0))
+    report = dataclasses.replace(hardware_check.inspect(H100, measured=False),
+                                 measurements=steps)
+    text = hardware_check.render(report)
+    assert ("a training step of a base-size BERT (12 layers of 768, batch 8 x 512 tokens)"
+            in text)

@@ -25,6 +25,34 @@ BUSY_LOAD_PER_CORE = 0.5
 
 
 @dataclass(frozen=True)
+class Shape:
+    """The BERT whose training step is timed, and its batch."""
+
+    name: str
+    hidden: int
+    layers: int
+    batch: int
+    length: int
+
+    def describe(self) -> str:
+        return (f"{self.name} ({self.layers} layers of {self.hidden}, batch {self.batch} x "
+                f"{self.length} tokens)")
+
+
+# A CPU steps a small BERT in tens of milliseconds. On a GPU that step is launch-bound: on an
+# H200 it ranked fp32 first, where a study's check at 32 x 512 on base models found fp32
+# 1.72x slower (benchmarks/README.md, "On a GPU"). A GPU times a base-size BERT at full
+# length, a batch whose fp32 step should need about 5 GB (extrapolated from bert-base's
+# batch search on the H200; not yet timed on a GPU).
+SHAPES = {"cpu": Shape("small BERT", 256, 2, 16, 64),
+          "cuda": Shape("base-size BERT", 768, 12, 8, 512)}
+
+
+def shape_for(device: Device) -> Shape:
+    return SHAPES.get(device.type, SHAPES["cpu"])
+
+
+@dataclass(frozen=True)
 class Measurement:
     precision: str
     step_seconds: float  # median over the timed steps
@@ -81,18 +109,19 @@ def reasons(device: Device) -> dict[str, str]:
     return why
 
 
-def measure(device: Device, steps: int = 3, batch: int = 16, length: int = 64) -> tuple[
-    Measurement, ...
-]:
-    """Time `steps` training steps of a small BERT per precision, after one warm-up step;
-    each precision's step time is the median of its steps."""
+def measure(device: Device, steps: int = 3) -> tuple[Measurement, ...]:
+    """Time `steps` training steps of the device's BERT (`shape_for`) per precision, after
+    one warm-up step; each precision's step time is the median of its steps."""
     from transformers import BertConfig, BertForSequenceClassification
 
     from hpo.train import autocast, optimizer_step
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=8000, hidden_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=1024)
+    shape = shape_for(device)
+    batch, length = shape.batch, shape.length
+    config = BertConfig(vocab_size=8000, hidden_size=shape.hidden,
+                        num_hidden_layers=shape.layers, num_attention_heads=shape.hidden // 64,
+                        intermediate_size=4 * shape.hidden, max_position_embeddings=512)
     config.num_labels = 9  # a property: the config's dataclass fields do not list it
     inputs = {
         "input_ids": torch.randint(0, 8000, (batch, length)),
@@ -169,8 +198,8 @@ def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
     load_average = os.getloadavg()[0]
     native = native_precisions(device)
     measurements = measure(device, steps) if measured else ()
-    seconds = {"small BERT": {m.precision: m.step_seconds for m in measurements
-                              if m.precision in native}}
+    seconds = {shape_for(device).name: {m.precision: m.step_seconds for m in measurements
+                                        if m.precision in native}}
     return Report(
         device=device,
         support=support(device),
@@ -194,8 +223,8 @@ def render(report: Report) -> str:
         lines.append(f"  {name}: {report.support[name]}")
     if report.measurements:
         memory = "peak memory" if device.type == "cuda" else "resident memory growth"
-        lines.append(f"measured, separately: a training step of a small BERT (batch 16 x 64 "
-                     f"tokens), median step time, {memory}:")
+        lines.append(f"measured, separately: a training step of a "
+                     f"{shape_for(device).describe()}, median step time, {memory}:")
         for m in report.measurements:
             label = "fp32" if m.precision == "none" else m.precision
             lines.append(f"  {label:>4}: {1000 * m.step_seconds:8.1f} ms/step  "
@@ -214,7 +243,7 @@ def render(report: Report) -> str:
             f"models")
     choice = report.by_cost
     if choice is not None:
-        auto += f"; for the small BERT above: {', '.join(choice.kept)}"
+        auto += f"; for the {shape_for(device).name} above: {', '.join(choice.kept)}"
         auto += "".join(f" (not {p}: {why})" for p, why in choice.dropped.items())
     lines.append(auto)
     return "\n".join(lines)
