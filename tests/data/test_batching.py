@@ -85,6 +85,7 @@ def test_an_epoch_takes_the_blurred_rank_order_where_it_pads_less_than_the_lengt
     lengths = long_tailed_lengths(n)
     chosen = training_steps(lengths, 32, 8, seed=0, epoch=1)
     monkeypatch.setattr(batching, "RANK_BLUR", 1e12)  # a random rank order: never chosen
+    monkeypatch.setattr(batching, "FINE_RANK_BLURS", ())
     by_length = training_steps(lengths, 32, 8, seed=0, epoch=1)
     assert padded_tokens(chosen, lengths) <= padded_tokens(by_length, lengths)
     if n >= 5000:
@@ -94,6 +95,28 @@ def test_an_epoch_takes_the_blurred_rank_order_where_it_pads_less_than_the_lengt
     assert padded_tokens(chosen, lengths) == sum(
         len(micro) * padded_width(max(lengths[i] for i in micro), multiple, longest)
         for step in chosen for micro in step)
+
+
+def test_a_finer_rank_blur_is_taken_where_steps_still_change_company(monkeypatch):
+    """On 20,000 samples many share each length: a blur of a fraction of a step still changes
+    most steps' company, and pads less than half a step's blur."""
+    lengths = long_tailed_lengths(20_000)
+    chosen = training_steps(lengths, 128, 32, seed=0, epoch=1)
+    monkeypatch.setattr(batching, "FINE_RANK_BLURS", ())
+    coarse = training_steps(lengths, 128, 32, seed=0, epoch=1)
+    assert padded_tokens(chosen, lengths) < 0.995 * padded_tokens(coarse, lengths)
+
+
+def test_a_finer_rank_blur_is_refused_where_steps_would_keep_their_company(monkeypatch):
+    # Distinct lengths: a blur of an eighth of a step leaves most steps as they were.
+    lengths = list(range(10, 410))
+    this, following = (batching._fine_rank_order(lengths, 16, 0, epoch, 0.125)
+                       for epoch in (1, 2))
+    assert batching._repeated(this, following, 16) > batching.MAX_REPEATED
+    monkeypatch.setattr(batching, "FINE_RANK_BLURS", (0.125,))
+    chosen = training_steps(lengths, 16, 16, seed=0, epoch=1)
+    monkeypatch.setattr(batching, "FINE_RANK_BLURS", ())
+    assert chosen == training_steps(lengths, 16, 16, seed=0, epoch=1)
 
 
 def test_eval_batches_cover_everything_once():
