@@ -108,15 +108,33 @@ def test_a_finer_rank_blur_is_taken_where_steps_still_change_company(monkeypatch
 
 
 def test_a_finer_rank_blur_is_refused_where_steps_would_keep_their_company(monkeypatch):
-    # Distinct lengths: a blur of an eighth of a step leaves most steps as they were.
+    # Distinct lengths: a blur of a fraction of a step keeps most of each sample's company.
     lengths = list(range(10, 410))
-    this, following = (batching._fine_rank_order(lengths, 16, 0, epoch, 0.125)
-                       for epoch in (1, 2))
-    assert batching._repeated(this, following, 16) > batching.MAX_REPEATED
-    monkeypatch.setattr(batching, "FINE_RANK_BLURS", (0.125,))
+    for fine in batching.FINE_RANK_BLURS:
+        this, following = (batching._fine_rank_order(lengths, 16, 0, epoch, fine)
+                           for epoch in (1, 2))
+        assert batching.kept_company(this, following, 16) > batching.MAX_KEPT
     chosen = training_steps(lengths, 16, 16, seed=0, epoch=1)
     monkeypatch.setattr(batching, "FINE_RANK_BLURS", ())
     assert chosen == training_steps(lengths, 16, 16, seed=0, epoch=1)
+
+
+def test_kept_company_is_the_share_of_step_mates_kept():
+    order = list(range(8))
+    assert batching.kept_company(order, order, 4) == 1.0
+    # Each sample keeps one of its three step-mates.
+    assert batching.kept_company(order, [0, 1, 4, 5, 2, 3, 6, 7], 4) == pytest.approx(1 / 3)
+    # Samples only one order trains are left out of the mean.
+    assert batching.kept_company([0, 1, 2, 3], [0, 2, 4, 5, 1, 3, 6, 7], 2) == 0.0
+
+
+def test_a_finer_blurs_order_trains_the_same_samples_as_the_epochs_others():
+    lengths = long_tailed_lengths(1003)  # 1003 % 16: 11 samples left out each epoch
+    for epoch in (1, 2):
+        steps = training_steps(lengths, 16, 16, seed=0, epoch=epoch)
+        trained = sorted(i for step in steps for micro in step for i in micro)
+        for fine in batching.FINE_RANK_BLURS:
+            assert sorted(batching._fine_rank_order(lengths, 16, 0, epoch, fine)) == trained
 
 
 def test_eval_batches_cover_everything_once():

@@ -36,13 +36,14 @@ LENGTH_NOISE = 0.05
 # trade places, whatever the data's size), and the order that pads fewer tokens is trained.
 # Measured by benchmarks/padding.py (benchmarks/README.md, issue 44 item 1).
 RANK_BLUR = 0.5
-# Finer rank blurs, tried too: on large data many samples share each length, so steps change
-# company from epoch to epoch even when each sample moves only a fraction of a step, and the
-# order pads less. A finer blur is admitted only where its own orders of this epoch and the
-# next share at most MAX_REPEATED of their steps' companies (on a few hundred samples of
-# distinct lengths they share most).
+# Finer rank blurs, tried too: on large data many samples share each length, so a sample's
+# step-mates change from epoch to epoch even when each sample moves only a fraction of a step,
+# and the order pads less. A finer blur is admitted only where its orders of this epoch and
+# the next keep, on average, at most MAX_KEPT of each sample's step-mates together: no more
+# than the half-step blur keeps on data of distinct lengths (benchmarks/README.md, issue 44
+# item 1). On a few hundred posts they keep more, and are not admitted.
 FINE_RANK_BLURS = (0.25, 0.125)
-MAX_REPEATED = 0.15
+MAX_KEPT = 0.6
 
 # Batch widths are rounded up to a multiple, the smallest power of two that leaves a data set
 # at most MAX_WIDTHS distinct widths (never past its longest example): 8 at 256 tokens, the
@@ -154,10 +155,7 @@ def training_steps(
 ) -> list[Step]:
     """One epoch's optimizer steps; the samples that do not fill a last step are left out
     (a different few each epoch), so every step holds exactly `effective` samples."""
-    rng = random.Random(seed * 100_003 + epoch)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    kept = order[: len(order) - len(order) % effective]
+    rng, kept = _epoch_samples(len(lengths), effective, seed, epoch)
     by_length = sorted(kept, key=lambda i: -lengths[i] * rng.uniform(1 - LENGTH_NOISE,
                                                                    1 + LENGTH_NOISE))
     exact = sorted(kept, key=lambda i: -lengths[i])  # ties in the shuffled order
@@ -168,32 +166,51 @@ def training_steps(
     for fine in FINE_RANK_BLURS:
         this, following = (_fine_rank_order(lengths, effective, seed, e, fine)
                            for e in (epoch, epoch + 1))
-        if _repeated(this, following, effective) <= MAX_REPEATED:
+        if kept_company(this, following, effective) <= MAX_KEPT:
             candidates.append(_cut(this, effective, physical))
     steps = min(candidates, key=lambda cut: padded_tokens(cut, lengths))
     rng.shuffle(steps)
     return steps
 
 
+def _epoch_samples(n: int, effective: int, seed: int, epoch: int
+                   ) -> tuple[random.Random, list[int]]:
+    """The epoch's random stream and the samples it trains, in shuffled order: all but the
+    few (a different few each epoch) that would not fill a last step."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(n))
+    rng.shuffle(order)
+    return rng, order[: n - n % effective]
+
+
 def _fine_rank_order(lengths: Sequence[int], effective: int, seed: int, epoch: int,
                      blur: float) -> list[int]:
-    """An epoch's samples by exact length rank, each moved within +- `blur` effective
-    batches: its own random stream, so the other orders of the epoch are unchanged by it."""
+    """The epoch's samples by exact length rank, each moved within +- `blur` effective
+    batches. The same samples as the epoch's other orders; its own random stream for the
+    moves, so the other orders are unchanged by it."""
+    _, kept = _epoch_samples(len(lengths), effective, seed, epoch)
     rng = random.Random(f"{seed}:{epoch}:{blur}")
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    kept = order[: len(order) - len(order) % effective]
     exact = sorted(kept, key=lambda i: -lengths[i])
     width = blur * effective
     return [exact[r] for r in sorted(range(len(exact)),
                                      key=lambda r: r + rng.uniform(-width, width))]
 
 
-def _repeated(first: list[int], second: list[int], effective: int) -> float:
-    """The share of `first`'s steps whose samples form a step of `second` too."""
-    companies = [{frozenset(order[s : s + effective]) for s in range(0, len(order), effective)}
-                 for order in (first, second)]
-    return len(companies[0] & companies[1]) / max(1, len(companies[0]))
+def kept_company(first: list[int], second: list[int], effective: int) -> float:
+    """The mean share of a sample's step-mates in `first` that are its step-mates in
+    `second` too, over the samples both orders train (0: all new company; 1: none)."""
+    if effective < 2:
+        return 0.0
+    mates = []
+    for order in (first, second):
+        steps = {}
+        for s in range(0, len(order), effective):
+            step = frozenset(order[s : s + effective])
+            steps.update(dict.fromkeys(step, step))
+        mates.append(steps)
+    both = [i for i in mates[0] if i in mates[1]]
+    kept = sum(len(mates[0][i] & mates[1][i]) - 1 for i in both)
+    return kept / max(1, len(both) * (effective - 1))
 
 
 def _cut(ranked: list[int], effective: int, physical: int) -> list[Step]:
