@@ -245,15 +245,25 @@ def test_an_oom_lowers_the_studys_limit_only_where_the_device_was_not_shared(mon
     from conftest import H100
 
     from hpo import executor
+    from hpo.outcome import Outcome
 
+    oom = Outcome(TrialState.PRUNED, prune_reason="oom", error="out of memory")
     planned = SimpleNamespace(batch_key="m|bf16", plan=SimpleNamespace(physical_batch=12),
                               shared_bytes=0)
     held = [0]
-    monkeypatch.setattr(executor.memory, "foreign_bytes", lambda _device: held[0])
-    assert executor.tried_alone(planned, H100) == ("m|bf16", 12)  # type: ignore[arg-type]
+    asked = []
+    monkeypatch.setattr(executor.memory, "foreign_bytes",
+                        lambda _device: asked.append(1) or held[0])
+    assert executor.tried_alone(oom, planned, H100) == ("m|bf16", 12)  # type: ignore[arg-type]
     held[0] = 2**30  # another process holds memory now
-    assert executor.tried_alone(planned, H100) is None  # type: ignore[arg-type]
+    assert executor.tried_alone(oom, planned, H100) is None  # type: ignore[arg-type]
     held[0] = 0
     planned.shared_bytes = 2**30  # it did when the batch was fitted
-    assert executor.tried_alone(planned, H100) is None  # type: ignore[arg-type]
-    assert executor.tried_alone(None, H100) is None
+    assert executor.tried_alone(oom, planned, H100) is None  # type: ignore[arg-type]
+    assert executor.tried_alone(oom, None, H100) is None
+    # Any other end asks the device nothing.
+    asked.clear()
+    failed = Outcome(TrialState.FAIL, error="device-side assert")
+    planned.shared_bytes = 0
+    assert executor.tried_alone(failed, planned, H100) is None  # type: ignore[arg-type]
+    assert asked == []

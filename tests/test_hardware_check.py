@@ -86,3 +86,27 @@ def test_a_gpu_times_a_base_size_bert_at_full_length_where_a_small_one_is_launch
     text = hardware_check.render(report)
     assert ("a training step of a base-size BERT (12 layers of 768, batch 8 x 512 tokens)"
             in text)
+
+
+def test_a_gpu_too_small_for_the_base_size_bert_times_the_small_one(monkeypatch):
+    import torch
+
+    shapes = []
+
+    def measure(_device, _steps, shape):
+        shapes.append(shape)
+        if shape.hidden == 768:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return (Measurement("none", 0.01, 1.0, 100.0),)
+
+    monkeypatch.setattr(hardware_check, "measure", measure)
+    shape, measured = hardware_check.measure_fitting(H100, 3)
+    assert shapes == [hardware_check.SHAPES["cuda"], hardware_check.SHAPES["cpu"]]
+    assert shape == hardware_check.SHAPES["cpu"] and measured[0].precision == "none"
+
+    def broken(_device, _steps, _shape):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(hardware_check, "measure", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        hardware_check.measure_fitting(H100, 3)

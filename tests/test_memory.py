@@ -286,14 +286,17 @@ def test_memory_other_processes_hold_on_a_gpu_is_what_is_used_beyond_this_ones(m
     state = {"free": 80 * 2**30 - 2**30, "reserved": 0}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _index: (state["free"], 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _index: state["reserved"])
-    # Alone: this process's context (1 GiB here) is within the allowance.
+    # Alone: this process's context (1 GiB here) is no other process's.
     assert memory.foreign_bytes(H100) == 0
     # Its own reserve, however large, is its own.
     state.update(free=10 * 2**30, reserved=69 * 2**30)
     assert memory.foreign_bytes(H100) == 0
+    # An isolating parent's context beside the child's: within 5% of the 80 GiB.
+    state.update(free=77 * 2**30 + 2**29, reserved=0)
+    assert memory.foreign_bytes(H100) == 0
     # Another worker holding 40 GiB beside this one's context.
     state.update(free=39 * 2**30, reserved=0)
-    assert memory.foreign_bytes(H100) == 41 * 2**30 - memory.CONTEXT_ALLOWANCE
+    assert memory.foreign_bytes(H100) == 41 * 2**30
     assert memory.foreign_bytes(CPU_AVX2) == 0
 
 

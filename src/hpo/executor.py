@@ -120,15 +120,19 @@ def execute(context: TrialContext, resources: Resources, params: Params | None =
     device_memory = memory.after_trial(resources.device, device_memory)
     if outcome.dropped:
         return outcome, _stored(context)
-    return tell(context, outcome, tried=tried_alone(planned, resources.device),
+    return tell(context, outcome, tried=tried_alone(outcome, planned, resources.device),
                 failed_at=failed_at, started=started, device_memory=device_memory)
 
 
-def tried_alone(planned: PlannedTrial | None, device: Device) -> tuple[str, int] | None:
+def tried_alone(outcome: Outcome, planned: PlannedTrial | None, device: Device
+                ) -> tuple[str, int] | None:
     """The cache key and micro-batch an OOM lowers the study's limit for. An OOM on a device
     other processes held memory of, when the batch was fitted or now, says nothing of what
-    fits the device alone: then none."""
-    if planned is None or planned.shared_bytes or memory.foreign_bytes(device):
+    fits the device alone: then none. None for any other end, without asking the device
+    (after a device-side assert, CUDA answers nothing)."""
+    if outcome.prune_reason != "oom" or planned is None or planned.shared_bytes:
+        return None
+    if memory.foreign_bytes(device):
         return None
     return planned.batch_key, planned.plan.physical_batch
 

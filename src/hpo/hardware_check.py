@@ -39,17 +39,30 @@ class Shape:
                 f"{self.length} tokens)")
 
 
-# A CPU steps a small BERT in tens of milliseconds. On a GPU that step is launch-bound: on an
-# H200 it ranked fp32 first, where a study's check at 32 x 512 on base models found fp32
-# 1.72x slower (benchmarks/README.md, "On a GPU"). A GPU times a base-size BERT at full
-# length, a batch whose fp32 step should need about 5 GB (extrapolated from bert-base's
-# batch search on the H200; not yet timed on a GPU).
+# A CPU steps a small BERT in tens of milliseconds. On a GPU that step is launch-bound and
+# ranks the precisions wrongly (benchmarks/README.md, "On a GPU"), so a GPU times a base-size
+# BERT at full length; where that does not fit, the small one.
 SHAPES = {"cpu": Shape("small BERT", 256, 2, 16, 64),
           "cuda": Shape("base-size BERT", 768, 12, 8, 512)}
 
 
 def shape_for(device: Device) -> Shape:
     return SHAPES.get(device.type, SHAPES["cpu"])
+
+
+def measure_fitting(device: Device, steps: int) -> tuple[Shape, tuple[Measurement, ...]]:
+    """The device's shape measured, or the small BERT where that runs out of memory (a small
+    card, a MIG slice, a GPU others use)."""
+    from hpo.memory import is_oom, release_memory
+
+    shape = shape_for(device)
+    try:
+        return shape, measure(device, steps, shape)
+    except RuntimeError as exc:
+        if not is_oom(exc) or shape == SHAPES["cpu"]:
+            raise
+    release_memory()  # outside the except block: its traceback no longer pins the tensors
+    return SHAPES["cpu"], measure(device, steps, SHAPES["cpu"])
 
 
 @dataclass(frozen=True)
@@ -68,9 +81,10 @@ class Report:
     measurements: tuple[Measurement, ...]
     searched: tuple[str, ...]  # by `native`: what the device runs natively
     reasons: dict[str, str]
-    # By `auto` on the small BERT measured here, if it was: a study's own check decides
+    # By `auto` on the BERT measured here (`shape`), if it was: a study's own check decides
     # for its models.
     by_cost: CostChoice | None = None
+    shape: Shape = SHAPES["cpu"]
     kernel_caches: dict[str, str] = field(default_factory=dict)  # CPU only: variable -> value
     load_average: float = 0.0  # 1-minute load average when the measurement began
     cores: int = 1
@@ -109,15 +123,17 @@ def reasons(device: Device) -> dict[str, str]:
     return why
 
 
-def measure(device: Device, steps: int = 3) -> tuple[Measurement, ...]:
-    """Time `steps` training steps of the device's BERT (`shape_for`) per precision, after
-    one warm-up step; each precision's step time is the median of its steps."""
+def measure(device: Device, steps: int = 3, shape: Shape | None = None
+            ) -> tuple[Measurement, ...]:
+    """Time `steps` training steps of the `shape`'s BERT (the device's, `shape_for`) per
+    precision, after one warm-up step; each precision's step time is the median of its
+    steps."""
     from transformers import BertConfig, BertForSequenceClassification
 
     from hpo.train import autocast, optimizer_step
 
     torch.manual_seed(0)
-    shape = shape_for(device)
+    shape = shape or shape_for(device)
     batch, length = shape.batch, shape.length
     config = BertConfig(vocab_size=8000, hidden_size=shape.hidden,
                         num_hidden_layers=shape.layers, num_attention_heads=shape.hidden // 64,
@@ -197,9 +213,10 @@ TOLERANCE = StudySection.model_fields["precision_tolerance"].default
 def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
     load_average = os.getloadavg()[0]
     native = native_precisions(device)
-    measurements = measure(device, steps) if measured else ()
-    seconds = {shape_for(device).name: {m.precision: m.step_seconds for m in measurements
-                                        if m.precision in native}}
+    shape, measurements = measure_fitting(device, steps) if measured else (
+        shape_for(device), ())
+    seconds = {shape.name: {m.precision: m.step_seconds for m in measurements
+                            if m.precision in native}}
     return Report(
         device=device,
         support=support(device),
@@ -210,6 +227,7 @@ def inspect(device: Device, steps: int = 3, measured: bool = True) -> Report:
         kernel_caches=kernel_caches(device),
         load_average=load_average,
         cores=os.cpu_count() or 1,
+        shape=shape,
     )
 
 
@@ -224,7 +242,7 @@ def render(report: Report) -> str:
     if report.measurements:
         memory = "peak memory" if device.type == "cuda" else "resident memory growth"
         lines.append(f"measured, separately: a training step of a "
-                     f"{shape_for(device).describe()}, median step time, {memory}:")
+                     f"{report.shape.describe()}, median step time, {memory}:")
         for m in report.measurements:
             label = "fp32" if m.precision == "none" else m.precision
             lines.append(f"  {label:>4}: {1000 * m.step_seconds:8.1f} ms/step  "
@@ -243,7 +261,7 @@ def render(report: Report) -> str:
             f"models")
     choice = report.by_cost
     if choice is not None:
-        auto += f"; for the {shape_for(device).name} above: {', '.join(choice.kept)}"
+        auto += f"; for the {report.shape.name} above: {', '.join(choice.kept)}"
         auto += "".join(f" (not {p}: {why})" for p, why in choice.dropped.items())
     lines.append(auto)
     return "\n".join(lines)

@@ -157,26 +157,31 @@ def search_bound(device: Device, target: int, max_physical: int) -> int:
     return min(target, max_physical)
 
 
-# What a process holds on a CUDA device outside its allocator's reserve (the context, the
-# libraries' modules) stays under this; beyond it, the device is shared with another process.
-CONTEXT_ALLOWANCE = 3 * 2**29  # 1.5 GiB
+# What a worker holds on a CUDA device outside its allocator's reserve (its context and the
+# libraries' modules: about 1.3 GB on the H200, benchmarks/README.md "On a GPU"), with an
+# isolating parent's context beside it, stays under this share of the device, or this much
+# on a small card; beyond it, another process is using the device.
+SHARED_SHARE = 0.05
+SHARED_FLOOR = 5 * 2**29  # 2.5 GiB
 
 
 def foreign_bytes(device: Device) -> int:
-    """The memory of a CUDA device that other processes hold now, beyond this process's
-    context allowance: 0 off CUDA and on a device this process has to itself. Another worker
-    on the same GPU shows here; the batch search sizes for the whole device otherwise."""
+    """The memory of a CUDA device held outside this process's allocator, where it is more
+    than contexts account for: another process is using the device. 0 off CUDA and on a
+    device this process has to itself. The batch search otherwise sizes for the whole
+    device."""
     if device.type != "cuda":
         return 0
     index = device.torch_device
     free, total = torch.cuda.mem_get_info(index)
-    return max(0, total - free - torch.cuda.memory_reserved(index) - CONTEXT_ALLOWANCE)
+    outside = total - free - torch.cuda.memory_reserved(index)
+    return outside if outside > max(SHARED_FLOOR, SHARED_SHARE * total) else 0
 
 
 def device_memory_probe(device: Device, foreign: int = 0) -> MemoryProbe | None:
     """A CUDA device's allocator reports peaks; 5% of the memory this process may use (all of
-    it, less what `foreign` processes hold) is left to the allocator's own fragmentation and
-    the CUDA context."""
+    it, less the `foreign_bytes` held outside its allocator) is left to the allocator's own
+    fragmentation and the CUDA context."""
     if device.type != "cuda":
         return None
     index = device.torch_device

@@ -77,7 +77,8 @@ def plan_trial(context: TrialContext, params: Params, resources: Resources) -> P
 
 
 def shared_device_warning(device: Device, shared: int) -> str:
-    return (f"other processes hold {shared / 2**30:.1f} GiB of {device.describe()}: this "
+    return (f"{shared / 2**30:.1f} GiB of {device.describe()} is held outside this worker "
+            f"(other processes use it): this "
             f"trial's batch is searched for what is left now, and neither its limit nor an "
             f"out-of-memory error goes into the study's cache, which every worker on this "
             f"kind of device trusts; run one worker per GPU (CUDA_VISIBLE_DEVICES)")
@@ -116,8 +117,10 @@ def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: 
     build = functools.partial(adapters.build, resources.models, params.model_name, num_labels,
                               training, params.fp_precision)
     probe_length = min(config.data.max_length, tokenizer.model_max_length)
-    searched_to = memory.search_bound(device, params.target_effective_batch_size,
-                                      training.max_physical_batch_size)
+    # A GPU others use is searched no further than the trial needs: its result stays with
+    # the trial, and a probe of the whole bound could take the memory a neighbour is using.
+    searched_to = bound if shared else memory.search_bound(
+        device, params.target_effective_batch_size, training.max_physical_batch_size)
     limit, probes = _find_batch(build, base, device, key, searched_to, cache, probe_length,
                                 watch, shared)
     physical = memory.physical_batch(limit, bound, training.safety_margin)
