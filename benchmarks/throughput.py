@@ -283,8 +283,9 @@ def measure(args: argparse.Namespace, device: Device, run: str) -> Result:
     configure_backends(device)  # as an hpo worker sets up its process
     if args.length_noise is not None:
         batching.LENGTH_NOISE = args.length_noise
-    if args.rank_blur is not None:
+    if args.rank_blur is not None:  # the one rank blur: the finer ones would undo a 1e12
         batching.RANK_BLUR = args.rank_blur
+        batching.FINE_RANK_BLURS = ()
     bench = load_bench(args, device)
     bench.store.build(args.model, len(SYMPTOMS), seed=0)
     # As a worker does once its models and tokens are loaded: what it holds for good leaves
@@ -326,8 +327,9 @@ def parser_for(device: Device) -> argparse.ArgumentParser:
                         help="hpo's row: batching.LENGTH_NOISE instead of its own (1e12 sorts "
                              "the epoch by noise alone: batches in random order)")
     parser.add_argument("--rank-blur", type=float,
-                        help="hpo's row: batching.RANK_BLUR instead of its own (1e12 with "
-                             "--length-noise 1e12: batches in random order)")
+                        help="hpo's row: batching.RANK_BLUR instead of its own, and no "
+                             "finer rank blurs (1e12 with --length-noise 1e12: batches in "
+                             "random order)")
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS),
                         help="the rows to run, hpo's among them (default: all four)")
     parser.add_argument("--only", choices=RUNS, help=argparse.SUPPRESS)  # a child's one run
