@@ -38,6 +38,40 @@ CPU_AVX512_BF16 = Device(
 )
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one test process per core this process may run on."""
+    from hpo.launcher import cores
+
+    return cores()
+
+
+def pytest_configure(config) -> None:
+    """Tests run side by side (pytest-xdist) share the cores as hpo's launcher shares them
+    between its workers (`launcher.plan`): each test process, and every process it starts,
+    gets an equal share of torch threads, so that no two of them oversubscribe a core."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not count:
+        return
+    import torch
+
+    from hpo.launcher import THREAD_VARIABLES, cores
+
+    threads = str(max(1, cores() // int(count)))
+    for name in THREAD_VARIABLES:
+        os.environ.setdefault(name, threads)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Run side by side, the modules that hold slow tests go first, so that the long ones start
+    at once and the short ones fill in around them (loadscope hands modules out in this
+    order, with `--no-loadscope-reorder`). A run one at a time keeps the files' order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def require(available: bool, missing: str) -> None:
     """Skip a test whose outside service is missing, saying what to install or start; where
     HPO_TESTS_REQUIRE_SERVICES=1 (CI), fail instead, so nothing is skipped unnoticed."""
