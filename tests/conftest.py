@@ -62,16 +62,6 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """Run side by side, the modules that hold slow tests go first, so that the long ones start
-    at once and the short ones fill in around them (loadscope hands modules out in this
-    order, with `--no-loadscope-reorder`). A run one at a time keeps the files' order."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
-
-
 def require(available: bool, missing: str) -> None:
     """Skip a test whose outside service is missing, saying what to install or start; where
     HPO_TESTS_REQUIRE_SERVICES=1 (CI), fail instead, so nothing is skipped unnoticed."""
