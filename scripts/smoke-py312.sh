@@ -31,7 +31,8 @@ for requirement in project["dependencies"]:
     if re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0] not in ("torch", "peft"):
         print(requirement)
 EOF
-pip install -q -r "$work/requirements.txt"
+# --no-compile: the smoke imports few of them, and it runs beside the tests in CI.
+pip install -q --no-compile -r "$work/requirements.txt"
 pip install -q --no-deps "$repo"
 python -m compileall -q "$(python -c 'import hpo, pathlib; print(pathlib.Path(hpo.__file__).parent)')"
 
