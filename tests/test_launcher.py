@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 
@@ -27,6 +28,7 @@ from hpo.launcher import (
     Launcher,
     LaunchError,
     WorkerSpec,
+    _Child,
     exit_code,
     plan,
     worst,
@@ -274,6 +276,30 @@ def test_two_workers_keep_the_budget_exact_and_a_killed_one_is_restarted_and_ret
     retry = [t for t in study.trials if t.user_attrs.get("retry_of") == killed[0].number]
     assert len(retry) == 1 and retry[0].state in FINISHED
     storage.engine.dispose()
+
+
+def test_a_signal_is_passed_on_without_waiting_for_the_output_lock():
+    """The handler runs in the main thread, perhaps inside say() with the lock held, or while
+    a reader holds it blocked on a full pipe (a paused terminal): it must not take the lock,
+    or Ctrl-C waits forever. The stop is announced once, by the main loop."""
+    out = io.StringIO()
+    launcher = Launcher([], restarts=0, out=out, err=io.StringIO())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher._children = [_Child(WorkerSpec("w0", {}, "here"), child)]
+    try:
+        with launcher._lock:
+            handler = threading.Thread(target=launcher._forward, args=(signal.SIGTERM, None))
+            handler.start()
+            handler.join(timeout=10)
+            assert not handler.is_alive()
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
+    assert out.getvalue() == ""
+    launcher._announce()
+    launcher._announce()
+    assert out.getvalue().count("SIGTERM: stopping every worker") == 1
 
 
 @pytest.mark.slow

@@ -110,6 +110,7 @@ class Launcher:
         self.restarts = restarts
         self.out, self.err = out, err
         self.stopping: int | None = None  # the signal that stops the workers
+        self._announced = False
         self._children: list[_Child] = []
         self._readers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -142,20 +143,32 @@ class Launcher:
         return process
 
     def _forward(self, signum: int, frame: object) -> None:
+        # A handler runs in the main thread between two of its bytecodes, perhaps inside
+        # say() with the lock held, or while a reader holds it blocked on a full pipe: it
+        # takes no lock, and the main loop announces the stop (_announce).
         if self.stopping is None:
             self.stopping = signum
-            self.say(f"{signal.Signals(signum).name}: stopping every worker; each frees its "
-                     f"running trial for a retry")
         for child in self._children:
             if child.process.poll() is None:
                 child.process.send_signal(signum)
+
+    def _announce(self) -> None:
+        """Says once that a signal is stopping the workers."""
+        if self.stopping is not None and not self._announced:
+            self._announced = True
+            self.say(f"{signal.Signals(self.stopping).name}: stopping every worker; each "
+                     f"frees its running trial for a retry")
 
     def run_once(self, spec: WorkerSpec, command: Sequence[str]) -> int:
         """One child to its end (the study's creation): its exit code."""
         with self._signals():
             child = _Child(spec, self._start(spec, command))
             self._children = [child]
-            code = exit_code(child.process.wait())
+            while child.process.poll() is None:
+                self._announce()
+                time.sleep(_POLL_SECONDS)
+            self._announce()
+            code = exit_code(child.process.returncode)
         self._join()
         return code
 
@@ -169,6 +182,7 @@ class Launcher:
                 self.say(f"started: pid {child.process.pid}, {spec.place}", spec.name)
             while len(codes) < len(specs):
                 time.sleep(_POLL_SECONDS)
+                self._announce()
                 for child in self._children:
                     if child.spec.name in codes or child.process.poll() is None:
                         continue
@@ -176,6 +190,7 @@ class Launcher:
                     if self._restart(child, code):
                         continue
                     codes[child.spec.name] = code
+            self._announce()
         self._join()
         return worst(list(codes.values()))
 
