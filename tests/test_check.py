@@ -242,3 +242,74 @@ def test_the_median_round_is_kept_with_the_rounds_spread_and_an_oom_keeps_the_ch
         first, step_seconds=0.2, step_batch=16, step_spread=0.5)
     assert compared["a", "none", "none"].step_spread == 0.0
     assert compared["b", "none", "none"] == verdicts["b", "none", "none"]
+
+
+def test_an_oom_beside_other_processes_is_judged_when_it_happens(monkeypatch):
+    from types import SimpleNamespace
+
+    from hpo.hardware import Device
+
+    resources = SimpleNamespace(device=Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30))
+    held = [41 * 2**30]
+    monkeypatch.setattr(check.memory, "foreign_bytes", lambda _device: held[0])
+
+    def stepper(*_args):
+        raise raised[0]
+
+    monkeypatch.setattr(check, "_stepper", stepper)
+    raised = [torch.OutOfMemoryError("CUDA out of memory")]
+    assert check.check_one(resources, "b", "bf16").shared_oom
+    held[0] = 0  # the device to itself: an OOM is a verdict on the device
+    verdict = check.check_one(resources, "b", "bf16")
+    assert not verdict.usable and not verdict.shared_oom
+    held[0], raised[0] = 41 * 2**30, RuntimeError("unsupported dtype")
+    assert not check.check_one(resources, "b", "bf16").shared_oom
+
+
+def test_an_oom_beside_other_processes_stays_out_of_the_studys_verdicts(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import Quiet
+
+    from hpo.hardware import Device
+
+    device = Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30)
+    resources = SimpleNamespace(
+        device=device, pinned=SimpleNamespace(declared={"model_name": ["a", "b"]}),
+        config=SimpleNamespace(training=SimpleNamespace(peft="none")))
+    fine = check.Verdict("a", "bf16", True, step_seconds=0.5, step_batch=2)
+    short = check.Verdict("b", "bf16", False, "CUDA out of memory", shared_oom=True)
+    broken = check.Verdict("b", "fp16", False, "loss nan after one step")
+    monkeypatch.setattr(check, "check_all", lambda *_args: iter([fine, short, broken]))
+    study = optuna.create_study()
+    report = Quiet()
+    assert check.ensure(study, resources, ("bf16", "fp16"), report) == [fine, short, broken]
+    assert check.stored(study, device) == [fine, broken]
+    assert check.unusable(study, device, "b", "bf16") is None
+    assert any("b bf16: out of memory in the check while other processes" in m
+               for m in report.messages), report.messages
+
+    # The next worker checks it again; with the device to itself, its OOM is a verdict.
+    alone = replace(short, shared_oom=False)
+    monkeypatch.setattr(check, "check_all", lambda *_args: iter([alone]))
+    check.ensure(study, resources, ("bf16", "fp16"), Quiet())
+    assert check.stored(study, device) == [fine, broken, alone]
+    assert check.unusable(study, device, "b", "bf16") == "CUDA out of memory"
+
+
+def test_nothing_usable_beside_other_processes_says_so(monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import Quiet
+
+    from hpo.errors import CheckError
+    from hpo.hardware import Device
+
+    resources = SimpleNamespace(
+        device=Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30),
+        pinned=SimpleNamespace(declared={"model_name": ["b"]}),
+        config=SimpleNamespace(training=SimpleNamespace(peft="none")))
+    short = check.Verdict("b", "bf16", False, "CUDA out of memory", shared_oom=True)
+    monkeypatch.setattr(check, "check_all", lambda *_args: iter([short]))
+    with pytest.raises(CheckError, match="other processes held part of the device"):
+        check.ensure(optuna.create_study(), resources, ("bf16",), Quiet())

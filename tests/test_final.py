@@ -314,3 +314,40 @@ def test_a_model_trained_with_adapters_is_exported_merged_for_a_plain_pipeline(
     assert pipeline_macro_f1(output, small_data, tmp_path) == pytest.approx(
         report["exported"]["test"]["macro_f1"], abs=1e-4)
     assert "DORA adapters (peft: r 8, alpha 16" in (output / "README.md").read_text()
+
+
+def test_a_device_others_use_is_searched_for_what_is_left_and_the_user_told(
+        tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import Quiet
+
+    from hpo import final as final_module
+    from hpo.config import StudyConfig
+    from hpo.hardware import Device
+    from hpo.space import Params
+    from hpo.study import StudyBatchCache
+
+    config = StudyConfig.model_validate(study_dict(["m"], tmp_path))
+    device = Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30)
+    resources = SimpleNamespace(config=config, device=device)
+    found = final_module.Recipe(3, 0.5, Params("m", "bf16", 16, 1e-4), config.training, 1)
+    searched_with = []
+
+    def fit_batch(base, *_args, shared=0):
+        searched_with.append(shared)
+        return base, "key", 2
+
+    monkeypatch.setattr(final_module, "fit_batch", fit_batch)
+    monkeypatch.setattr(final_module.memory, "foreign_bytes", lambda _device: 41 * 2**30)
+    reporter = Quiet()
+    cache = StudyBatchCache(optuna.create_study())
+    _, probes = final_module.fitted_plan(found, resources, cache, 2, False, reporter)
+    assert probes == 2 and searched_with == [41 * 2**30]
+    assert len(reporter.messages) == 1
+    assert "41.0 GiB of" in reporter.messages[0] and "GPU of its own" in reporter.messages[0]
+
+    monkeypatch.setattr(final_module.memory, "foreign_bytes", lambda _device: 0)
+    reporter = Quiet()
+    final_module.fitted_plan(found, resources, cache, 2, False, reporter)
+    assert searched_with[-1] == 0 and reporter.messages == []

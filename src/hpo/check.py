@@ -8,7 +8,8 @@ A combination whose model cannot be built, whose step raises or whose loss or pr
 not finite is unusable: the trials that sample it are pruned at once with
 `prune_reason=unusable`, without a batch search or training. The verdicts are kept in the study
 per device kind (its name and memory), so every other worker on the same kind of device skips
-the check and a worker on another kind checks its own.
+the check and a worker on another kind checks its own. A step that ran out of memory while
+other processes held part of the device is no verdict on the device: the study keeps none.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class Verdict:
     # says (memory.step_memory); and the half-range of the timed rounds over their median.
     step_mib: float | None = None
     step_spread: float | None = None
+    # Unusable because a step ran out of memory while other processes held part of the
+    # device (judged when it happened: a neighbour may leave before the check ends).
+    shared_oom: bool = False
 
 
 FIELDS = frozenset(f.name for f in fields(Verdict))
@@ -282,8 +286,9 @@ def check_one(resources: Resources, model_name: str, precision: str,
                           None if peak is None else round(peak, 1), attention, peft, timed,
                           None if step_bytes is None else round(step_bytes / 2**20, 1))
     except Exception as exc:
+        shared_oom = memory.is_oom(exc) and memory.foreign_bytes(device) > 0
         verdict = Verdict(model_name, precision, False, one_line(exc), attention=attention,
-                          peft=peft)
+                          peft=peft, shared_oom=shared_oom)
     return verdict
 
 
@@ -326,15 +331,35 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
                        f"{' x peft method' if methods(resources) != ['none'] else ''} "
                        f"combination{'s' if len(missing) != 1 else ''}: a few training steps "
                        f"each, once per study and kind of device (--skip-check skips)")
-        verdicts = verdicts + list(check_all(resources, precisions, done))
-        study.set_user_attr(key(resources.device), [asdict(v) for v in verdicts])
+        checked = list(check_all(resources, precisions, done))
+        study.set_user_attr(key(resources.device), [
+            asdict(v) for v in verdicts + kept_for_study(checked, resources.device, report)])
+        verdicts = verdicts + checked
         report.message(table(verdicts))
     if not any(v.usable for v in verdicts):
         first = verdicts[0] if verdicts else None
         why = f"; {first.model} {first.precision}: {first.why}" if first else ""
+        if any(v.shared_oom for v in verdicts):
+            why += ("; other processes held part of the device: give the worker a GPU of "
+                    "its own (CUDA_VISIBLE_DEVICES)")
         raise CheckError(f"no model x precision of study '{study.study_name}' is usable on "
                          f"{resources.device.describe()}{why}")
     return verdicts
+
+
+def kept_for_study(checked: list[Verdict], device: Device, report: Reporter) -> list[Verdict]:
+    """The verdicts every worker on this kind of device may trust. A step that ran out of
+    memory while other processes held part of the device says nothing of the device alone
+    (the batch cache's rule, `planning.fit_batch`): the study keeps no verdict on it, this
+    worker's trials of it go on to a batch search for what is left, and the next worker to
+    start checks it again."""
+    left = [v for v in checked if v.shared_oom]
+    if left:
+        names = ", ".join(f"{v.model} {precision_name(v.precision)}" for v in left)
+        report.message(f"{names}: out of memory in the check while other processes held part "
+                       f"of {device.describe()}, which says nothing of the device alone; the "
+                       f"study keeps no verdict on it (one worker per GPU avoids this)")
+    return [v for v in checked if not v.shared_oom]
 
 
 def table(verdicts: list[Verdict]) -> str:

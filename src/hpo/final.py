@@ -153,17 +153,24 @@ def validate_precision(found: Recipe, resources: Resources) -> None:
 
 
 def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num_labels: int,
-                refit: bool) -> tuple[Plan, int]:
+                refit: bool, reporter: Reporter) -> tuple[Plan, int]:
     """The trial's plan with the batches that fit this device (the study's cached limit; a
     batch search where this kind of device has none). With --refit and the best epoch as the
     trial's value, training stops at that epoch: there is no validation split left to choose
-    an epoch on."""
+    an epoch on. On a device other processes hold memory of, the batch is searched for what
+    is left, as a worker's is (`planning.fit_batch`), and the user is told."""
     training = found.training
     if refit and resources.config.study.objective_epoch == "best":
         training = training.model_copy(update={"epochs": found.value_epoch})
+    shared = memory.foreign_bytes(resources.device)
+    if shared:
+        reporter.warning(f"{shared / 2**30:.1f} GiB of {resources.device.describe()} is held "
+                         f"outside hpo final (other processes use it): its batch is searched "
+                         f"for what is left now and kept out of the study's cache, and a "
+                         f"neighbour that grows can still run it out of memory; give it a GPU "
+                         f"of its own (CUDA_VISIBLE_DEVICES)")
     plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
-                                num_labels, resources, cache,
-                                shared=memory.foreign_bytes(resources.device))
+                                num_labels, resources, cache, shared=shared)
     return plan, probes
 
 
@@ -258,7 +265,7 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
     gold_test = resources.gold(build_examples(splits.test, data_config.task,
                                               special_case=data_config.special_case))
     plan, probes = fitted_plan(found, resources, cache, data.train.labels.shape[1],
-                               options.refit)
+                               options.refit, reporter)
     runs: list[tuple[Run, Scored]] = []
     chosen: tuple[Run, Scored, torch.nn.Module] | None = None
     for index in range(options.seeds):
