@@ -54,11 +54,10 @@ def pytest_configure(config) -> None:
         return
     import torch
 
-    from hpo.launcher import THREAD_VARIABLES, cores
+    from hpo.launcher import cores, plan
 
-    threads = str(max(1, cores() // int(count)))
-    for name in THREAD_VARIABLES:
-        os.environ.setdefault(name, threads)
+    # A CPU host's plan: every worker gets the same environment, threads as set where set.
+    os.environ.update(plan(int(count), [], cores(), os.environ)[0].env)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

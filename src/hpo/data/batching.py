@@ -159,9 +159,7 @@ def training_steps(
     by_length = sorted(kept, key=lambda i: -lengths[i] * rng.uniform(1 - LENGTH_NOISE,
                                                                    1 + LENGTH_NOISE))
     exact = sorted(kept, key=lambda i: -lengths[i])  # ties in the shuffled order
-    blur = RANK_BLUR * effective
-    by_rank = [exact[r] for r in sorted(range(len(exact)),
-                                        key=lambda r: r + rng.uniform(-blur, blur))]
+    by_rank = _blurred(exact, RANK_BLUR * effective, rng)
     candidates = [_cut(by_length, effective, physical), _cut(by_rank, effective, physical)]
     for fine in FINE_RANK_BLURS:
         this, following = (_fine_rank_order(lengths, effective, seed, e, fine)
@@ -190,10 +188,13 @@ def _fine_rank_order(lengths: Sequence[int], effective: int, seed: int, epoch: i
     moves, so the other orders are unchanged by it."""
     _, kept = _epoch_samples(len(lengths), effective, seed, epoch)
     rng = random.Random(f"{seed}:{epoch}:{blur}")
-    exact = sorted(kept, key=lambda i: -lengths[i])
-    width = blur * effective
-    return [exact[r] for r in sorted(range(len(exact)),
-                                     key=lambda r: r + rng.uniform(-width, width))]
+    return _blurred(sorted(kept, key=lambda i: -lengths[i]), blur * effective, rng)
+
+
+def _blurred(ranked: list[int], width: float, rng: random.Random) -> list[int]:
+    """`ranked` with each sample moved by up to +- `width` places, at random."""
+    return [ranked[r] for r in sorted(range(len(ranked)),
+                                      key=lambda r: r + rng.uniform(-width, width))]
 
 
 def kept_company(first: list[int], second: list[int], effective: int) -> float:
