@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -185,6 +186,27 @@ def summary(table: dict, points: list[dict]) -> None:
         rows = [r for r in table["rows"] if r[5] == seed]
         hours = sum(sum(r[7]) + r[8] for r in rows) / 3600
         print(f"seed {seed}: {len(rows)} of {len(points)} points, {hours:.2f} h of trials")
+    noise = training_noise(table)
+    if noise is not None:
+        print("training noise, the best epoch's F1 of one point across its seeds "
+              "(range: max - min): over {} points, median {:.4f}, 90th percentile {:.4f}; "
+              "the points' best F1 (first seed) spans {:.4f}..{:.4f}".format(*noise))
+
+
+def training_noise(table: dict) -> tuple[int, float, float, float, float] | None:
+    """Over the points recorded with more than one training seed: their number, the median
+    and 90th percentile of the range of their best epoch's F1 across seeds, and the lowest
+    and highest best F1 of any point (its first seed's) for scale."""
+    best: dict[tuple, list[float]] = {}
+    for row in sorted(table["rows"], key=lambda r: r[5]):
+        best.setdefault(tuple(row[:5]), []).append(max(row[6]))
+    ranges = sorted(max(v) - min(v) for v in best.values() if len(v) > 1)
+    if not ranges:
+        return None
+    firsts = [v[0] for v in best.values()]
+    high = (statistics.quantiles(ranges, n=10, method="inclusive")[-1] if len(ranges) > 1
+            else ranges[0])
+    return len(ranges), statistics.median(ranges), high, min(firsts), max(firsts)
 
 
 def main(argv: list[str] | None = None) -> None:

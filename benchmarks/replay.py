@@ -660,7 +660,29 @@ def versus(reps: list[dict], peer: str) -> dict[str, Any]:
     n = len(reps)
     return {"g1": round((wins + ties) / n, 3), "g1_strict": round(wins / n, 3),
             "ties": round(ties / n, 3), "g2_median": statistics.median(shares),
-            "never": sum(math.isinf(s) for s in shares)}
+            "never": sum(math.isinf(s) for s in shares),
+            "g1_interval": share_interval(wins + ties, n),
+            "g2_interval": median_interval(shares)}
+
+
+def share_interval(hits: int, n: int, confidence: float = 0.95) -> list[float]:
+    """Wilson's interval for the share `hits`/`n` of paired repetitions: what 100
+    repetitions can tell a G1 of 0.67 from the goal's 0.8."""
+    import scipy.stats
+
+    found = scipy.stats.binomtest(hits, n).proportion_ci(confidence, method="wilson")
+    return [round(found.low, 3), round(found.high, 3)]
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> list[float] | None:
+    """A distribution-free interval for the median of `values` (infinities included): the
+    order statistics that binomial(n, 1/2) puts the median between; None where even the
+    smallest and largest value hold it with less than `confidence` (5 values or fewer)."""
+    import scipy.stats
+
+    ordered, n = sorted(values), len(values)
+    low = int(scipy.stats.binom.ppf((1 - confidence) / 2, n, 0.5))
+    return None if low < 1 else [ordered[low - 1], ordered[n - low]]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -726,14 +748,21 @@ def iqm(values: Any) -> Any:
 
 
 def render(paths: list[Path], plot: Path | None) -> str:
-    lines = ["| setting | peer | G1 (ties) | G1 strict | median G2 | never reached |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| setting | peer | G1 (ties) | G1 95% | G1 strict | median G2 | G2 95% "
+             "| never reached |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     results = [json.loads(p.read_text()) for p in paths]
+
+    def interval(bounds: list[float] | None) -> str:
+        return "-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
+
     for r in results:
         setting = f"{r['budget']} trials x {r['workers']}"
         for peer, f in r["versus"].items():
             lines.append(f"| {setting} | {peer} | {f['g1']:.2f} ({f['ties']:.2f}) | "
-                         f"{f['g1_strict']:.2f} | {f['g2_median']:.2f} | {f['never']} |")
+                         f"{interval(f.get('g1_interval'))} | {f['g1_strict']:.2f} | "
+                         f"{f['g2_median']:.2f} | {interval(f.get('g2_interval'))} | "
+                         f"{f['never']} |")
     if plot is not None:
         import matplotlib
 

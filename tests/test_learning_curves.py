@@ -104,3 +104,17 @@ def test_a_resumed_recording_enqueues_only_points_neither_recorded_nor_waiting(s
     # Point 0 is recorded, point 1 waits (the killed trial, enqueued again): only point 2.
     assert learning_curves.enqueue_missing(study, missing, seed=0) == 1
     assert learning_curves.enqueue_missing(study, missing, seed=0) == 0
+
+
+def test_training_noise_is_the_spread_of_a_points_best_epoch_across_its_seeds():
+    def row(rate, seed, f1):
+        return ["m", "none", 8, rate, 0.0, seed, f1, [1.0] * len(f1), 2.0, 0.5, 0.0, 0, 1.0]
+
+    table = {"rows": [row(1e-4, 1, [0.2, 0.5]), row(1e-4, 0, [0.4, 0.3]),
+                      row(1e-3, 0, [0.1, 0.1]), row(1e-3, 2, [0.1, 0.3]),
+                      row(1e-5, 0, [0.05, 0.06])]}
+    # Best epochs: 1e-4 seeds 0 and 1 are 0.4 and 0.5; 1e-3 are 0.1 and 0.3; 1e-5 one seed.
+    count, median, high, lowest, highest = learning_curves.training_noise(table)
+    assert count == 2 and median == pytest.approx(0.15) and high == pytest.approx(0.19)
+    assert (lowest, highest) == (0.06, 0.4)
+    assert learning_curves.training_noise({"rows": [row(1e-4, 0, [0.3])]}) is None

@@ -178,6 +178,21 @@ def test_g1_counts_ties_apart_and_g2_is_infinite_where_hpo_never_gets_there():
     assert figures["g1_strict"] == pytest.approx(1 / 3, abs=1e-3)
     assert figures["g2_median"] == pytest.approx(0.75)  # 30/40, 10/40, never
     assert figures["never"] == 1
+    low, high = figures["g1_interval"]
+    assert 0 < low < 2 / 3 < high < 1
+
+
+def test_the_intervals_are_wilsons_for_g1_and_order_statistics_for_the_median_g2():
+    # 67 of 100: Wilson's 95% interval is 0.573-0.754, short of a goal of 0.8.
+    assert replay.share_interval(67, 100) == [0.573, 0.754]
+    assert replay.share_interval(100, 100)[1] == 1.0
+    # 100 values: the median lies between the 40th and 61st (binomial(100, 1/2) at 2.5%).
+    values = [float(v) for v in range(1, 101)]
+    assert replay.median_interval(values) == [40.0, 61.0]
+    assert replay.median_interval([*values[:55], *[math.inf] * 45]) == [40.0, math.inf]
+    # 5 values hold their median between the extremes only 94% of the time: no interval.
+    assert replay.median_interval([0.1, 0.2, 0.3, 0.4, 0.5]) is None
+    assert replay.median_interval([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]) == [0.1, 0.6]
 
 
 def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(curves):
