@@ -84,6 +84,21 @@ def open_connections(url: str, wait: float = 10.0, collect: bool = True) -> list
         engine.dispose()
 
 
+def study_trials(url: str, study: str) -> list:
+    """The trials of `study` at url, read over one connection that is closed before the
+    return: a poll that opened a pooled storage each time would hold connections until a
+    garbage collection (an RDBStorage closes none when dropped), and a server's
+    `max_connections` is shared with the workers under test."""
+    import optuna
+
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"poolclass": NullPool})
+    try:
+        return storage.get_all_trials(storage.get_study_id_from_name(study), deepcopy=False)
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()
+
+
 def drop_database(url: str) -> None:
     """Drop the database at url after terminating its connections; a missing one is fine."""
     parsed = make_url(url)

@@ -145,7 +145,25 @@ def test_killing_the_worker_kills_its_child(tiny_study, tmp_path):
         children = [c for c in psutil.Process(worker.pid).children(recursive=True)
                     if "spawn" in " ".join(c.cmdline())]
     assert children, worker.stderr.read() if worker.poll() is not None else "no child"
+    # Killed once the child has opened its storage, after it asked to die with its parent: a
+    # child still importing when its parent dies leaves only when its imports are done (it
+    # then sees it was orphaned), which takes longer than the wait below on a loaded machine.
+    database = os.path.realpath(tmp_path / "k.db")
+
+    def opened() -> bool:
+        return any(f.path == database for c in children for f in _open_files(c))
+
+    while not opened() and time.monotonic() < deadline and worker.poll() is None:
+        time.sleep(0.2)
+    assert opened(), "the child never opened its storage"
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive
+
+
+def _open_files(process: psutil.Process) -> list:
+    try:
+        return process.open_files()
+    except psutil.Error:
+        return []

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from conftest import REPO, free_port, rendered_text, require, require_command
 from optuna.trial import TrialState
+from postgres import study_trials
 from test_deploy import dockerfile_base_default
 
 pytestmark = pytest.mark.slow
@@ -84,13 +85,9 @@ class Fleet:
         assert cid, f"no container for {service}"
         return json.loads(docker("inspect", cid).stdout)[0]
 
-    def storage(self) -> optuna.storages.RDBStorage:
-        return optuna.storages.RDBStorage(
-            f"postgresql+psycopg2://hpo:{PASSWORD}@127.0.0.1:{self.postgres_port}/hpo")
-
     def trials(self) -> list[optuna.trial.FrozenTrial]:
-        return optuna.load_study(study_name=STUDY, storage=self.storage()).get_trials(
-            deepcopy=False)
+        return study_trials(
+            f"postgresql+psycopg2://hpo:{PASSWORD}@127.0.0.1:{self.postgres_port}/hpo", STUDY)
 
 
 def standin_images() -> dict[str, str]:

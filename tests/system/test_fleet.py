@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import start_worker
 from optuna.trial import TrialState
+from postgres import study_trials
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +87,10 @@ def finished(url: str) -> int:
     """Finished trials; -1 while the database is down or the study not created yet, which
     no wait below takes for progress."""
     try:
-        study = optuna.load_study(study_name="tiny", storage=url)
+        trials = study_trials(url, "tiny")
     except Exception:
         return -1
-    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
 
 
 def wait_until(condition, seconds: float, what: str) -> None:
