@@ -26,6 +26,7 @@ import sqlalchemy
 from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
 from optuna.trial import TrialState
 
+from hpo import interrupts
 from hpo.storage import OUTAGE_SECONDS, retrying
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
@@ -106,7 +107,15 @@ def may_claim(counts: Counts, budget: float) -> bool:
 @contextlib.contextmanager
 def study_lock(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.Connection]:
     """Mutual exclusion among all workers of one study, wherever they run; yields a
-    connection for the queries made under the lock."""
+    connection for the queries made under the lock. A Ctrl-C or SIGTERM held while it
+    queried is raised as it is released."""
+    with _locked(engine, study_name) as connection:
+        yield connection
+    interrupts.raise_held()
+
+
+@contextlib.contextmanager
+def _locked(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.Connection]:
     backend = engine.url.get_backend_name()
     if backend == "postgresql":
         with _advisory_lock(engine, study_name) as connection:

@@ -11,15 +11,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import NoReturn
 
 # Both light: `hpo --help` and a mistyped study file do not wait for torch.
-from hpo import commands, launcher, release
+from hpo import commands, interrupts, launcher, release
 from hpo.errors import BAD_INPUT, Terminated, WorkerStopped
 from hpo.preflight import StudyRef
 
@@ -370,24 +368,18 @@ COMMANDS = {
 }
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise Terminated("SIGTERM")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     launcher.follow_parent()
     if not argv:
         build_parser().print_help()
         return EXIT_OK
-    # SIGTERM unwinds like Ctrl-C, so a stopped worker frees its trial at once.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if in_main_thread else None
+    # SIGTERM unwinds like Ctrl-C, so a stopped worker frees its trial at once; neither
+    # cuts through a database call.
     try:
-        return _main(argv)
+        with interrupts.raised_outside_the_database():
+            return _main(argv)
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
         # Only a command that opened a storage has imported the module (and optuna with it).
         opened = sys.modules.get("hpo.storage")
         if opened is not None:

@@ -28,6 +28,7 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 from sqlalchemy import exc as sa_exc
 
+from hpo import interrupts
 from hpo.errors import StorageError
 
 DEFAULT_STORAGE = "sqlite:///hpo.db"
@@ -163,6 +164,8 @@ def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
             return retrying(attempt, seconds=seconds, what=method.__name__)
         finally:
             _retrying_here.active = False
+            # Out of the database code: a Ctrl-C or SIGTERM it held is raised here.
+            interrupts.raise_held()
 
     return wrapper
 
