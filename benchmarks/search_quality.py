@@ -311,6 +311,8 @@ def head_to_head(variant: dict, default: dict, n: int) -> bool:
 def render(results: dict, plot: Path) -> str:
     runs = _runs(results)
     n = results["n_trials"]
+    if not any(r["tool"] == "hpo" and r["label"] == "default" for r in runs):
+        return render_variants(runs, n, plot)  # --no-default: variants against the first
     default = compared(runs)
     seeds = sorted({seed for tool, seed in default if tool == "hpo"})
     peers = [t for t in PEERS if any((t, seed) in default for seed in seeds)]
@@ -410,7 +412,47 @@ def render(results: dict, plot: Path) -> str:
     return "\n".join(lines)
 
 
+def render_variants(runs: list[dict], n: int, plot: Path) -> str:
+    """hpo's variants alone (--no-default), each seed's against the first variant's run of
+    that seed on the same machine: as `render` compares a variant with the defaults."""
+    labels = list(dict.fromkeys(r["label"] for r in runs if r["tool"] == "hpo"))
+    by = {(r["label"], r["seed"]): r for r in runs if r["tool"] == "hpo"}
+    base = labels[0]
+    seeds = sorted(seed for label, seed in by if label == base)
+    lines = [f"hpo's variants, {n} trials each, against {base} ({', '.join(labels)}):", "",
+             "| seed | machine | " + " | ".join(
+                 f"{label}: wall, best, pruned + failed compute" for label in labels)
+             + " | " + " | ".join(f"{label}: best at {base}'s wall, reaches {base}'s best at"
+                                  for label in labels[1:]) + " |",
+             "| ---: | --- |" + " ---: |" * (2 * len(labels) - 1)]
+    for seed in seeds:
+        ref = by[(base, seed)]
+        target = best_by(first_n(ref["trials"], n), float("inf")) or 0.0
+        cells = []
+        for label in labels:
+            run = by.get((label, seed))
+            cells.append("-" if run is None else
+                         f"{run['trial_budget_wall']:.0f} s, "
+                         f"{best_by(first_n(run['trials'], n), float('inf')) or 0:.4f}, "
+                         f"{wasted_share(first_n(run['trials'], n)):.0%}")
+        for label in labels[1:]:
+            run = by.get((label, seed))
+            if run is None or run["machine"] != ref["machine"]:
+                cells.append("-")
+                continue
+            then = best_by(run["trials"], ref["trial_budget_wall"]) or 0.0
+            at = reached(sorted(run["trials"], key=lambda t: t["end"]), target)
+            cells.append(f"{then:.4f}, " + ("never" if at is None else
+                                             f"{at:.0f} s ({at / ref['trial_budget_wall']:.0%})"))
+        lines.append(f"| {seed} | {ref['machine']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    draw({(label, seed): run for (label, seed), run in by.items()}, seeds, plot)
+    lines.append(f"![anytime curves]({plot.name})")
+    return "\n".join(lines)
+
+
 def draw(default: dict, seeds: list[int], plot: Path) -> None:
+    """Each run's best so far over wall time; keyed (tool, seed), or (variant, seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -419,9 +461,12 @@ def draw(default: dict, seeds: list[int], plot: Path) -> None:
     figure, axes = plt.subplots(figsize=(9, 5))
     colours = {"hpo": "tab:blue", "novice": "tab:orange", "expert": "tab:green",
                "ray": "tab:red"}
+    spare = iter(["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
     for (tool, seed), record in sorted(default.items()):
         if seed not in seeds:
             continue
+        if tool not in colours:
+            colours[tool] = next(spare, "tab:gray")
         xs, ys, best = [0.0], [0.0], 0.0
         for trial in record["trials"]:
             if trial["state"] == "COMPLETE" and trial["value"] > best:
@@ -432,7 +477,7 @@ def draw(default: dict, seeds: list[int], plot: Path) -> None:
         ys.append(best)
         axes.step(xs, ys, where="post", color=colours[tool], alpha=0.8,
                   linestyle=("-", "--", ":", "-.", (0, (1, 4)))[seeds.index(seed) % 5],
-                  label=f"{NAMES[tool]}, seed {seed}")
+                  label=f"{NAMES.get(tool, tool)}, seed {seed}")
     axes.set_xlabel("wall time (s)")
     axes.set_ylabel("best validation macro-F1 so far")
     axes.set_title("Demo study: best score over wall time (1 worker, all cores)")
