@@ -88,7 +88,9 @@ def _hold(signum: int) -> None:
 def _release() -> None:
     if _State.held is not None:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, _State.alarm)
+        # None: a handler set outside Python, which cannot be put back; the default then.
+        signal.signal(signal.SIGALRM,
+                      signal.SIG_DFL if _State.alarm is None else _State.alarm)
         _State.held, _State.alarm = None, None
 
 
