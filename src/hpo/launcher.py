@@ -98,6 +98,7 @@ class _Child:
     spec: WorkerSpec
     process: subprocess.Popen[str]
     restarts: int = 0
+    passed_on: int = 0  # how many of the launcher's received signals it was sent
 
 
 class Launcher:
@@ -110,6 +111,7 @@ class Launcher:
         self.restarts = restarts
         self.out, self.err = out, err
         self.stopping: int | None = None  # the signal that stops the workers
+        self._received: list[int] = []  # every stopping signal, in order
         self._announced = False
         self._children: list[_Child] = []
         self._readers: list[threading.Thread] = []
@@ -143,17 +145,23 @@ class Launcher:
         return process
 
     def _forward(self, signum: int, frame: object) -> None:
-        # A handler runs in the main thread between two of its bytecodes, perhaps inside
-        # say() with the lock held, or while a reader holds it blocked on a full pipe: it
-        # takes no lock, and the main loop announces the stop (_announce).
+        # A handler runs in the main thread between two of its bytecodes: perhaps inside
+        # say() with the lock held, or while a reader holds it blocked on a full pipe, or
+        # between starting a child and listing it. It only records the signal; the main
+        # loop passes it on (_pass_on), to every child, listed or not yet, once.
         if self.stopping is None:
             self.stopping = signum
-        for child in self._children:
-            if child.process.poll() is None:
-                child.process.send_signal(signum)
+        self._received.append(signum)
 
-    def _announce(self) -> None:
-        """Says once that a signal is stopping the workers."""
+    def _pass_on(self) -> None:
+        """Sends each child the signals received since it was last sent any, and says once
+        that a signal is stopping the workers. Main loop only."""
+        received = len(self._received)
+        for child in self._children:
+            for signum in self._received[child.passed_on:received]:
+                if child.process.poll() is None:
+                    child.process.send_signal(signum)
+            child.passed_on = received
         if self.stopping is not None and not self._announced:
             self._announced = True
             self.say(f"{signal.Signals(self.stopping).name}: stopping every worker; each "
@@ -165,9 +173,9 @@ class Launcher:
             child = _Child(spec, self._start(spec, command))
             self._children = [child]
             while child.process.poll() is None:
-                self._announce()
+                self._pass_on()
                 time.sleep(_POLL_SECONDS)
-            self._announce()
+            self._pass_on()
             code = exit_code(child.process.returncode)
         self._join()
         return code
@@ -180,9 +188,10 @@ class Launcher:
                 child = _Child(spec, self._start(spec, self.command))
                 self._children.append(child)
                 self.say(f"started: pid {child.process.pid}, {spec.place}", spec.name)
+                self._pass_on()
             while len(codes) < len(specs):
                 time.sleep(_POLL_SECONDS)
-                self._announce()
+                self._pass_on()
                 for child in self._children:
                     if child.spec.name in codes or child.process.poll() is None:
                         continue
@@ -190,7 +199,7 @@ class Launcher:
                     if self._restart(child, code):
                         continue
                     codes[child.spec.name] = code
-            self._announce()
+            self._pass_on()
         self._join()
         return worst(list(codes.values()))
 
