@@ -590,6 +590,7 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
         "tpe-hyperband": lambda: ours(override("study.pruner.name=hyperband"), "tpe-hyperband"),
         "prior": lambda: ours(override(enqueue), "prior"),
     }
+    # A variant named "hpo" replaces hpo's defaults (--hpo-set).
     for label, sets in (variants or {}).items():
         build[label] = functools.partial(lambda sets, label: ours(override(*sets), label),
                                          sets, label)
@@ -693,6 +694,9 @@ def run(args: argparse.Namespace) -> dict:
     facts = measured(json.loads(args.real.read_text()), table["machine"])
     variants = dict(args.variants)
     names = ["hpo", *[p for p in args.policies if p != "hpo"], *variants]
+    if args.hpo_sets:
+        # A candidate default scored as hpo itself against every peer, run to their wall.
+        variants["hpo"] = args.hpo_sets
     one = functools.partial(repetition, names, study, curves, budget=args.budget,
                             workers=args.workers, facts=facts, variants=variants)
     seeds = range(args.first_seed, args.first_seed + args.repetitions)
@@ -707,6 +711,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "budget": args.budget, "workers": args.workers, "repetitions": args.repetitions,
         "first_seed": args.first_seed, "epochs": study.training.epochs,
+        "hpo_sets": args.hpo_sets,
         "table": {"file": args.table.name, "machine": table["machine"], "dates": table["dates"],
                   "rows": len(table["rows"]), "seeds": sorted({r[5] for r in table["rows"]})},
         "measured": {"startup": facts.startup, "slowdowns": facts.slowdowns,
@@ -841,6 +846,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", dest="variants", type=variant, action="append",
                         default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE...]",
                         help="also hpo with these overrides, as a peer named NAME")
+    parser.add_argument("--hpo-set", dest="hpo_sets", action="append", default=[],
+                        metavar="KEY=VALUE", help="hpo's defaults changed so; the peers, "
+                        "those built on hpo too, keep the study file's")
     parser.add_argument("--table", type=Path, default=TABLE)
     parser.add_argument("--real", type=Path, default=REAL,
                         help="real runs: the peers' start-up and slowdowns")

@@ -125,8 +125,9 @@ NAMES = {"hpo": "hpo run", "novice": "novice: Optuna + Trainer.hyperparameter_se
 class Run:
     """One tool's search for one seed: a storage and the processes that ran in it."""
 
-    def __init__(self, tool: str, seed: int, overrides: list[str], workdir: Path) -> None:
-        self.tool, self.seed, self.overrides = tool, seed, overrides
+    def __init__(self, tool: str, seed: int, overrides: list[str], workdir: Path,
+                 workers: int = 1) -> None:
+        self.tool, self.seed, self.overrides, self.workers = tool, seed, overrides, workers
         self.storage = f"sqlite:///{workdir}/{tool}.db"
         self.ray_trials = workdir / "ray-trials.json"
         self.env = {**os.environ, "HPO_CACHE_DIR": str(workdir / "cache")}
@@ -144,9 +145,10 @@ class Run:
             return [sys.executable, str(HERE / "peer_ray.py"), f"--seed={self.seed}",
                     f"--n-trials={n_trials}", "--trials-out", str(self.ray_trials)]
         sets = [part for item in self.overrides for part in ("--set", item)]
+        workers = [f"--workers={self.workers}"] if self.workers > 1 else []
         return ["hpo", "run", "--study", "demo", "--storage", self.storage, "--set",
                 "study.name=search", "--set", f"study.sampler.seed={self.seed}", *sets,
-                *budget]
+                *budget, *workers]
 
     def go(self, n_trials: int | None = None, timeout: float | None = None) -> None:
         self.segments.append(timed(self.command(n_trials, timeout), self.env, self.log))
@@ -178,11 +180,15 @@ def _done(results: dict, tool: str, seed: int, label: str = "default") -> dict |
 
 def measure(args: argparse.Namespace) -> dict:
     results = {"machine": cpu_model(), "cores": os.cpu_count(), "date": date.today().isoformat(),
-               "versions": versions(), "n_trials": args.n_trials, "runs": []}
+               "versions": versions(), "n_trials": args.n_trials, "workers": args.workers,
+               "runs": []}
     if args.append:
         results = json.loads(args.output.read_text())
         if results["n_trials"] != args.n_trials:
             raise SystemExit(f"{args.output} holds runs of {results['n_trials']} trials")
+        if results.get("workers", 1) != args.workers:
+            raise SystemExit(f"{args.output} holds runs of {results.get('workers', 1)} "
+                             "worker(s)")
         # A tool whose code changed since its runs: they are run again for these seeds.
         results["runs"] = [r for r in results["runs"]
                            if not (r["tool"] in args.rerun and r["seed"] in args.seeds)]
@@ -213,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict:
         for seed in args.seeds:
             if not _done(results, "hpo", seed, label):
                 save(run_hpo(seed, label, overrides, args.n_trials,
-                             longest_peer(results, seed)))
+                             longest_peer(results, seed), args.workers))
     return results
 
 
@@ -223,11 +229,11 @@ def longest_peer(results: dict, seed: int) -> float:
 
 
 def run_hpo(seed: int, label: str, overrides: list[str], n_trials: int,
-            longest: float) -> dict:
+            longest: float, workers: int = 1) -> dict:
     """hpo for `n_trials`, then on the same study until it has run as long as the slowest
     peer: a setting is read at every peer's wall time, as the defaults are."""
     with tempfile.TemporaryDirectory() as tmp:
-        run = Run("hpo", seed, overrides, Path(tmp))
+        run = Run("hpo", seed, overrides, Path(tmp), workers)
         run.go(n_trials=n_trials)
         budget_wall = run.wall
         print(f"seed {seed} hpo {label}: {n_trials} trials in {run.wall:.0f}s", flush=True)
@@ -312,7 +318,8 @@ def render(results: dict, plot: Path) -> str:
     runs = _runs(results)
     n = results["n_trials"]
     if not any(r["tool"] == "hpo" and r["label"] == "default" for r in runs):
-        return render_variants(runs, n, plot)  # --no-default: variants against the first
+        # --no-default: the variants against the first.
+        return render_variants(runs, n, plot, results.get("workers", 1))
     default = compared(runs)
     seeds = sorted({seed for tool, seed in default if tool == "hpo"})
     peers = [t for t in PEERS if any((t, seed) in default for seed in seeds)]
@@ -412,14 +419,15 @@ def render(results: dict, plot: Path) -> str:
     return "\n".join(lines)
 
 
-def render_variants(runs: list[dict], n: int, plot: Path) -> str:
+def render_variants(runs: list[dict], n: int, plot: Path, workers: int = 1) -> str:
     """hpo's variants alone (--no-default), each seed's against the first variant's run of
     that seed on the same machine: as `render` compares a variant with the defaults."""
     labels = list(dict.fromkeys(r["label"] for r in runs if r["tool"] == "hpo"))
     by = {(r["label"], r["seed"]): r for r in runs if r["tool"] == "hpo"}
     base = labels[0]
     seeds = sorted(seed for label, seed in by if label == base)
-    lines = [f"hpo's variants, {n} trials each, against {base} ({', '.join(labels)}):", "",
+    on = f" on {workers} workers" if workers > 1 else ""
+    lines = [f"hpo's variants, {n} trials each{on}, against {base} ({', '.join(labels)}):", "",
              "| seed | machine | " + " | ".join(
                  f"{label}: wall, best, pruned + failed compute" for label in labels)
              + " | " + " | ".join(f"{label}: best at {base}'s wall, reaches {base}'s best at"
@@ -504,6 +512,10 @@ def main() -> None:
                         help="the peers to run (none: hpo only)")
     parser.add_argument("--no-default", dest="default", action="store_false",
                         help="run only the variants (with --append: add them to --output)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="hpo's workers on this host (`hpo run --workers`), each on its "
+                             "share of the cores; above 1 only with --no-default: the peers "
+                             "run one trial at a time")
     parser.add_argument("--append", action="store_true",
                         help="add this invocation's runs to those already in --output")
     parser.add_argument("--rerun", nargs="*", choices=("hpo", *PEERS), default=[],
@@ -514,6 +526,8 @@ def main() -> None:
     parser.add_argument("--render", type=Path, default=None,
                         help="write the report again from this JSON; run nothing")
     args = parser.parse_args()
+    if args.workers < 1 or (args.workers > 1 and args.default):
+        parser.error("--workers must be at least 1, and above 1 needs --no-default")
     results = (json.loads(args.render.read_text()) if args.render is not None
                else measure(args))
     print(render(results, args.plot))

@@ -301,3 +301,22 @@ def test_a_variant_is_hpo_with_overrides_scored_as_a_peer(tmp_path):
     (policy, searches), = replay.policies(["hb2"], study, replay.Curves(made_up_table()), 0,
                                           facts, {"hb2": ["study.pruner.name=hyperband"]})
     assert isinstance(policy.study.pruner, optuna.pruners.HyperbandPruner) and searches
+
+
+def test_hpo_set_changes_hpos_defaults_alone_and_the_output_names_them(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(made_up_table()))
+    output = tmp_path / "out.json"
+    replay.main(["--budget", "6", "--repetitions", "2", "--table", str(table), "--output",
+                 str(output), "--policies", "tpe-hyperband",
+                 "--hpo-set", "study.pruner.name=median", "--hpo-set",
+                 "study.sampler.multivariate=false"])
+    result = json.loads(output.read_text())
+    assert result["hpo_sets"] == ["study.pruner.name=median", "study.sampler.multivariate=false"]
+    assert list(result["versus"]) == ["tpe-hyperband"]
+    study = replay.study_files.load(replay.study_files.study_path("demo"))
+    chosen = replay.policies(["hpo", "tpe-hyperband"], study, replay.Curves(made_up_table()), 0,
+                             replay.Measured({}, {}, 0), {"hpo": result["hpo_sets"]})
+    (ours, _), (peer, _) = chosen
+    assert isinstance(ours.study.pruner, optuna.pruners.MedianPruner)
+    assert isinstance(peer.study.pruner, optuna.pruners.HyperbandPruner)

@@ -33,3 +33,14 @@ def test_variants_alone_are_compared_with_the_first(tmp_path):
     # A pruned trial's value is no model: b never reaches a's 0.7.
     assert rows[1] == "| 2 | m | 100 s, 0.7000, 0% | 90 s, 0.3000, 50% | 0.3000, never |"
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_hpo_runs_on_several_workers_through_hpo_runs_own_launcher(tmp_path):
+    assert "--workers=2" in search_quality.Run("hpo", 4, [], tmp_path, workers=2).command(20,
+                                                                                          None)
+    assert not any(part.startswith("--workers")
+                   for part in search_quality.Run("hpo", 4, [], tmp_path).command(20, None))
+    results = {"n_trials": 2, "workers": 2, "machine": "m", "cores": 2, "runs": [
+        run("a", 1, 100, [("COMPLETE", 0.5, 40), ("PRUNED", 0.2, 100)])]}
+    report = search_quality.render(results, tmp_path / "plot.png")
+    assert report.startswith("hpo's variants, 2 trials each on 2 workers, against a (a):")
