@@ -87,6 +87,15 @@ class Costs:
     batch_search: dict[tuple[str, str, int], float]
 
 
+class Table(Protocol):
+    """What `simulate` reads of a table: a configuration's curve in a world, and the
+    one-off costs a worker and a study pay."""
+    costs: Costs
+    max_physical: int
+
+    def curve(self, config: Any, world: int) -> Curve: ...
+
+
 class Curves:
     """The table, looked up by configuration for one repetition's world."""
 
@@ -135,6 +144,12 @@ class Curves:
             raise KeyError(f"the table has no trial of {point}")
         digest = hashlib.sha256(f"{world}:{point}".encode()).digest()
         return rows[int.from_bytes(digest[:4], "little") % len(rows)]
+
+    def curve(self, config: Config, world: int) -> Curve:
+        """What `simulate` reads: a trial's curve (benchmarks/replay_lcbench.py has
+        another table behind the same method)."""
+        return self.lookup(config.model, config.precision, config.batch,
+                           config.learning_rate, config.weight_decay, world)
 
     def lookup(self, model: str, precision: str, batch: int, learning_rate: float,
                weight_decay: float, world: int) -> Curve:
@@ -405,7 +420,7 @@ class Finished:
         return max(self.scores) if self.state == "COMPLETE" else None
 
 
-def simulate(policy: Policy, curves: Curves, world: int, budget: int, workers: int,
+def simulate(policy: Policy, curves: Table, world: int, budget: int, workers: int,
              epochs: int, horizon: float = 0.0, searches_batches: bool = False
              ) -> list[Finished]:
     """The trials of one search, in the order they finished: `budget` trials, then more
@@ -423,8 +438,7 @@ def simulate(policy: Policy, curves: Curves, world: int, budget: int, workers: i
             return
         run = policy.ask()
         c = run.config
-        curve = curves.lookup(c.model, c.precision, c.batch, c.learning_rate,
-                              c.weight_decay, world)
+        curve = curves.curve(c, world)
         setup = curve.setup
         if c.model not in tokenized[worker]:
             tokenized[worker].add(c.model)
@@ -617,22 +631,30 @@ def repetition(names: list[str], study: config_module.StudyConfig, curves: Curve
     """One paired repetition: every peer for `budget` trials, then hpo for `budget` trials
     and on until the slowest peer's wall time, all in world `seed`."""
     epochs = study.training.epochs
+    out = race(policies(names, study, curves, seed, facts, variants), curves, seed,
+               budget=budget, workers=workers, epochs=epochs)
+    out["oracle"] = {"best": oracle(curves, seed, epochs)}
+    return out
+
+
+def race(chosen: list[tuple[Policy, bool]], curves: Table, world: int, *, budget: int,
+         workers: int, epochs: int) -> dict[str, dict]:
+    """Each policy's search in one world: every peer for `budget` trials, then hpo for
+    `budget` trials and on until the slowest peer's wall time."""
     out: dict[str, dict] = {}
-    chosen = policies(names, study, curves, seed, facts, variants)
     for policy, searches in chosen:
         if policy.name == "hpo":
             continue
-        trials = simulate(policy, curves, seed, budget, workers, epochs,
+        trials = simulate(policy, curves, world, budget, workers, epochs,
                           searches_batches=searches)
         out[policy.name] = {"wall": round(wall(trials, budget), 2), "steps": steps_of(trials),
                             "pruned": sum(t.state == "PRUNED" for t in trials)}
     hpo, searches = next(p for p in chosen if p[0].name == "hpo")
     horizon = max((run["wall"] for run in out.values()), default=0.0)
-    trials = simulate(hpo, curves, seed, budget, workers, epochs, horizon=horizon,
+    trials = simulate(hpo, curves, world, budget, workers, epochs, horizon=horizon,
                       searches_batches=searches)
     out["hpo"] = {"wall": round(wall(trials, budget), 2), "steps": steps_of(trials),
                   "pruned": sum(t.state == "PRUNED" for t in trials[:budget])}
-    out["oracle"] = {"best": oracle(curves, seed, epochs)}
     return out
 
 
@@ -686,6 +708,18 @@ def median_interval(values: list[float], confidence: float = 0.95) -> list[float
     return None if low < 1 else [ordered[low - 1], ordered[n - low]]
 
 
+def repeat(one: Callable[[int], dict], seeds: range, jobs: int) -> list[dict]:
+    """`one(seed)` for every seed, in seed order. Repetitions are independent (each its own
+    seeded world and samplers): they run on `jobs` processes, whatever finishes first."""
+    reps = []
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        for k, rep in enumerate(pool.map(one, seeds), 1):
+            reps.append(rep)
+            if k % 10 == 0:
+                print(f"  {k}/{len(seeds)} repetitions", file=sys.stderr, flush=True)
+    return reps
+
+
 def run(args: argparse.Namespace) -> dict:
     table = json.loads(args.table.read_text())
     curves = Curves(table)
@@ -699,15 +733,7 @@ def run(args: argparse.Namespace) -> dict:
         variants["hpo"] = args.hpo_sets
     one = functools.partial(repetition, names, study, curves, budget=args.budget,
                             workers=args.workers, facts=facts, variants=variants)
-    seeds = range(args.first_seed, args.first_seed + args.repetitions)
-    reps = []
-    # Repetitions are independent (each its own seeded world and samplers): run on --jobs
-    # processes, the results in seed order whatever finishes first.
-    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        for k, rep in enumerate(pool.map(one, seeds), 1):
-            reps.append(rep)
-            if k % 10 == 0:
-                print(f"  {k}/{args.repetitions} repetitions", file=sys.stderr, flush=True)
+    reps = repeat(one, range(args.first_seed, args.first_seed + args.repetitions), args.jobs)
     return {
         "budget": args.budget, "workers": args.workers, "repetitions": args.repetitions,
         "first_seed": args.first_seed, "epochs": study.training.epochs,
@@ -784,7 +810,7 @@ def render(paths: list[Path], plot: Path | None) -> str:
             ax.set_title(f"{r['budget']} trials on {r['workers']} worker(s), "
                          f"{r['repetitions']} repetitions")
             ax.set_xlabel("simulated hours")
-            ax.set_ylabel("regret (macro-F1), IQM and 95% band")
+            ax.set_ylabel(f"regret ({r.get('score', 'macro-F1')}), IQM and 95% band")
             ax.set_yscale("log")
         axes[0][0].legend()
         fig.tight_layout()
