@@ -257,7 +257,9 @@ class PrunerConfig(_Section):
     min_resource: Annotated[int, Field(ge=1)] = 1
     """successive_halving, hyperband: epochs (folds) before the first decision; a trial
     goes on past min_resource x reduction_factor^k epochs only if it ranks in the top
-    1/reduction_factor of the trials that reached that epoch."""
+    1/reduction_factor of the trials that reached that epoch. For trainings of many epochs,
+    a later first rung: on 52-epoch curves 6 searched far better than 1 (benchmarks/README.md,
+    LCBench)."""
     reduction_factor: Annotated[int, Field(ge=2)] = 3
     """successive_halving, hyperband: the share (1/reduction_factor) kept at each rung."""
 
