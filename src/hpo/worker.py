@@ -233,6 +233,10 @@ def _run_claimed(
         return run_trial(context)
 
 
+LOST_LOCK_CLAIM = ("claimed while the study lock was lost with its database connection; "
+                   "given back to keep the budget exact")
+
+
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: int,
                   trial: optuna.Trial, n_trials: float, reporter: LoopReporter) -> bool:
     """After a claim made while the study lock was lost, another worker may have claimed
@@ -241,9 +245,7 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: i
         counts = budget.count_in_database(connection, study_id)
         if counts.started <= n_trials:
             return True
-        give_back(study, trial, GivenBack("claimed while the study lock was lost with its "
-                                          "database connection; given back to keep the "
-                                          "budget exact"))
+        give_back(study, trial, GivenBack(LOST_LOCK_CLAIM))
     reporter.message(f"trial {trial.number} given back: the study lock was lost while it was "
                      f"claimed and the budget would overshoot")
     return False
