@@ -382,7 +382,7 @@ class RayPolicy:
         from ray.tune.schedulers import ASHAScheduler
         from ray.tune.search.optuna import OptunaSearch
 
-        sample = plain_sample(self.space, self.precision)
+        sample = self.sample()
         self.searcher = OptunaSearch(
             space=lambda trial: sample(trial) and None, metric="objective", mode="max",
             sampler=optuna.samplers.TPESampler(seed=self.seed,
@@ -395,9 +395,15 @@ class RayPolicy:
         params = self.searcher.suggest(trial_id)
         self.handles[trial_id] = _RayTrial(trial_id)
         self.scheduler.on_trial_add(None, self.handles[trial_id])
-        config = Config(params["model_name"], self.precision, params["batch"],
-                        params["learning_rate"], params["weight_decay"])
-        return RayRunning(self, trial_id, config)
+        return RayRunning(self, trial_id, self.config_of(params))
+
+    def sample(self) -> Callable[[optuna.Trial], Any]:
+        """The define-by-run space OptunaSearch samples (replay_lcbench.py: another)."""
+        return plain_sample(self.space, self.precision)
+
+    def config_of(self, params: dict[str, Any]) -> Any:
+        return Config(params["model_name"], self.precision, params["batch"],
+                      params["learning_rate"], params["weight_decay"])
 
     def slowdown(self, model: str) -> float:
         return self.slowdowns.get(model, 1.0)

@@ -56,9 +56,6 @@ from replay import (
     OptunaPolicy,
     Policy,
     RayPolicy,
-    RayRunning,
-    Running,
-    _RayTrial,
     best,
     last,
     race,
@@ -205,23 +202,11 @@ def ours(config: config_module.StudyConfig, seed: int, name: str) -> OptunaPolic
 class MlpRay(RayPolicy):
     """Ray Tune's ASHA and OptunaSearch, as replay.RayPolicy, on LCBench's space."""
 
-    def __post_init__(self) -> None:
-        from ray.tune.schedulers import ASHAScheduler
-        from ray.tune.search.optuna import OptunaSearch
+    def sample(self) -> Callable[[optuna.Trial], Mlp]:
+        return sample
 
-        self.searcher = OptunaSearch(
-            space=lambda trial: sample(trial) and None, metric="objective", mode="max",
-            sampler=optuna.samplers.TPESampler(seed=self.seed,
-                                               n_startup_trials=self.n_startup_trials))
-        self.scheduler = ASHAScheduler(metric="objective", mode="max", time_attr="epoch",
-                                       max_t=self.epochs, grace_period=1, reduction_factor=2)
-
-    def ask(self) -> Running:
-        trial_id = str(len(self.handles))
-        params = self.searcher.suggest(trial_id)
-        self.handles[trial_id] = _RayTrial(trial_id)
-        self.scheduler.on_trial_add(None, self.handles[trial_id])
-        return RayRunning(self, trial_id, Mlp(tuple((k, float(params[k])) for k in SPACE)))
+    def config_of(self, params: dict[str, float]) -> Mlp:
+        return Mlp(tuple((k, float(params[k])) for k in SPACE))
 
 
 def policies(names: list[str], seed: int, variants: dict[str, list[str]]
