@@ -59,7 +59,11 @@ SETTINGS = ("--set", "search_space.model_name=[data/demo/models/tiny-bert]",
 # Scaled down from 30 s and 120 s so that kills are found and retried within the soak.
 LIVENESS = {"HPO_HEARTBEAT_INTERVAL": "2", "HPO_GRACE_PERIOD": "8"}
 KILL_POINTS = ("claim", "heartbeat", "train", "tell")
-GOOD_EXITS = (0, 143, -signal.SIGKILL)  # done; stopped by SIGTERM; killed
+# Done; stopped by SIGTERM; killed. A SIGTERM that lands while Python is still starting,
+# before `hpo` installed its handler, ends the run by the default action (-SIGTERM): nothing
+# was claimed yet, and the launcher and compose read it as 143 too.
+STOPPED = (143, -signal.SIGTERM)
+GOOD_EXITS = (0, *STOPPED, -signal.SIGKILL)
 RSS_GROWTH_MIB = 60.0
 READER_SLACK = 20.0  # seconds after the database is back before a reader must answer
 
@@ -238,7 +242,7 @@ def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
                                       re.MULTILINE)]
     wrong = [(n, v) for n, v in printed if trials[n].state != TrialState.COMPLETE
              or abs(trials[n].value - v) > 1e-4]
-    stopped = sum(1 for _, code, _ in runs if code in (143, -signal.SIGKILL))
+    stopped = sum(1 for _, code, _ in runs if code in (*STOPPED, -signal.SIGKILL))
     growth: dict[str, float] = {}
     by_worker: dict[str, list[tuple[int, float]]] = {}
     for t in trials.values():
