@@ -266,14 +266,22 @@ class OptunaPolicy:
         return self.slowdowns.get(model, 1.0)
 
 
+def new_study(seed: int, sampler: optuna.samplers.BaseSampler,
+              pruner: optuna.pruners.BasePruner) -> optuna.Study:
+    """An in-memory study named by the repetition's seed: Optuna's HyperbandPruner puts a
+    trial in a bracket by a hash of the study's name, which a nameless study draws at random,
+    so that a replay would not repeat."""
+    return optuna.create_study(storage=optuna.storages.InMemoryStorage(),
+                               study_name=f"replay-{seed}", direction="maximize",
+                               sampler=sampler, pruner=pruner)
+
+
 def hpo_policy(study_config: config_module.StudyConfig, curves: Curves, seed: int,
                name: str = "hpo", startup: float = 0.0, gap: float = 0.0) -> OptunaPolicy:
     """hpo's defaults as `hpo run` builds them: its sampler (seeded per trial), pruner,
     enqueued sets, space and precision rule, from hpo's own functions."""
     config = with_overrides(study_config, f"study.sampler.seed={seed}")
-    storage = optuna.storages.InMemoryStorage()
-    study = optuna.create_study(storage=storage, direction="maximize",
-                                sampler=make_sampler(config), pruner=make_pruner(config))
+    study = new_study(seed, make_sampler(config), make_pruner(config))
     for params in config.study.enqueue:
         study.enqueue_trial(dict(params), skip_if_exists=True)
     pinned = pinned_space(config, curves)
@@ -570,8 +578,7 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
 
     def study_of(sampler: optuna.samplers.BaseSampler,
                  pruner: optuna.pruners.BasePruner) -> optuna.Study:
-        return optuna.create_study(storage=optuna.storages.InMemoryStorage(),
-                                   direction="maximize", sampler=sampler, pruner=pruner)
+        return new_study(seed, sampler, pruner)
 
     def steps(epoch: int, config: Config) -> int:
         # The Trainer reports at its global step: trials of different batches never share
@@ -607,7 +614,9 @@ def policies(names: list[str], study: config_module.StudyConfig, curves: Curves,
                                   slow["ray"], facts.gaps.get("ray", 0.0)), False),
         "random": lambda: ours(override("study.sampler.name=random", "study.pruner.name=none"),
                                "random"),
-        "tpe-hyperband": lambda: ours(override("study.pruner.name=hyperband"), "tpe-hyperband"),
+        # Optuna's HyperbandPruner as it comes: the first rung at one epoch.
+        "tpe-hyperband": lambda: ours(override("study.pruner.name=hyperband",
+                                               "study.pruner.min_resource=1"), "tpe-hyperband"),
         "prior": lambda: ours(override(enqueue), "prior"),
     }
     # A variant named "hpo" replaces hpo's defaults (--hpo-set).

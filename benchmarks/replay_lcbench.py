@@ -58,6 +58,7 @@ from replay import (
     RayPolicy,
     best,
     last,
+    new_study,
     race,
     repeat,
     versus,
@@ -190,9 +191,7 @@ def default_study() -> config_module.StudyConfig:
 def ours(config: config_module.StudyConfig, seed: int, name: str) -> OptunaPolicy:
     """hpo's sampler (seeded per trial number, as its workers do) and pruner."""
     config = with_overrides(config, f"study.sampler.seed={seed}")
-    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(),
-                                direction="maximize", sampler=make_sampler(config),
-                                pruner=make_pruner(config))
+    study = new_study(seed, make_sampler(config), make_pruner(config))
     value = best if config.study.objective_epoch == "best" else last
     return OptunaPolicy(name, study, sample, EPOCHS, report_value=value, tell_value=value,
                         sampler_for=lambda number: make_sampler(config, number))
@@ -218,9 +217,8 @@ def policies(names: list[str], seed: int, variants: dict[str, list[str]]
 
     def glue(name: str, sampler: optuna.samplers.BaseSampler,
              pruner: optuna.pruners.BasePruner) -> Policy:
-        return OptunaPolicy(name, optuna.create_study(
-            storage=optuna.storages.InMemoryStorage(), direction="maximize", sampler=sampler,
-            pruner=pruner), sample, EPOCHS, report_value=last, tell_value=last)
+        return OptunaPolicy(name, new_study(seed, sampler, pruner), sample, EPOCHS,
+                            report_value=last, tell_value=last)
 
     build: dict[str, Callable[[], Policy]] = {
         "hpo": lambda: ours(study, seed, "hpo"),
@@ -232,8 +230,10 @@ def policies(names: list[str], seed: int, variants: dict[str, list[str]]
         "ray": lambda: MlpRay("ray", study.search_space, "none", seed, EPOCHS, startup),
         "random": lambda: ours(with_overrides(study, "study.sampler.name=random",
                                               "study.pruner.name=none"), seed, "random"),
-        "tpe-hyperband": lambda: ours(with_overrides(study, "study.pruner.name=hyperband"),
-                                      seed, "tpe-hyperband"),
+        # Optuna's HyperbandPruner as it comes: the first rung at one epoch.
+        "tpe-hyperband": lambda: ours(with_overrides(
+            study, "study.pruner.name=hyperband", "study.pruner.min_resource=1"),
+            seed, "tpe-hyperband"),
     }
     for label, sets in variants.items():
         build[label] = functools.partial(

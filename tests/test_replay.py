@@ -320,3 +320,21 @@ def test_hpo_set_changes_hpos_defaults_alone_and_the_output_names_them(tmp_path)
     (ours, _), (peer, _) = chosen
     assert isinstance(ours.study.pruner, optuna.pruners.MedianPruner)
     assert isinstance(peer.study.pruner, optuna.pruners.HyperbandPruner)
+
+
+def test_every_optuna_study_is_named_by_its_seed_so_hyperbands_brackets_repeat(tmp_path):
+    # Optuna's HyperbandPruner hashes the study's name into a trial's bracket: a nameless
+    # study would draw it anew in every run of the replay.
+    study = replay.study_files.load(replay.study_files.study_path("demo"))
+    chosen = replay.policies([p for p in replay.PEERS if p != "ray"], study,
+                             replay.Curves(made_up_table()), 7, replay.Measured({}, {}, 0))
+    names = {policy.study.study_name for policy, _ in chosen}
+    assert names == {"replay-7"}
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(made_up_table()))
+    runs = []
+    for run in ("a", "b"):
+        replay.main(["--budget", "12", "--repetitions", "1", "--table", str(table),
+                     "--output", str(tmp_path / f"{run}.json"), "--policies", "tpe-hyperband"])
+        runs.append(json.loads((tmp_path / f"{run}.json").read_text())["repetitions_data"])
+    assert runs[0] == runs[1]
