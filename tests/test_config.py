@@ -68,6 +68,25 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
                               "study.pruner.min_resource=2"]).max_steps() == 3
 
 
+@pytest.mark.parametrize("value", ["x", 0, 2.5, True, "6"])
+def test_min_resource_is_auto_or_a_whole_number_of_epochs(tmp_path, value):
+    data = study_dict(["m"], tmp_path)
+    data["study"]["pruner"] = {"min_resource": value}
+    with pytest.raises(ConfigError, match=r"study.pruner.min_resource: expected auto or a "
+                                          r"whole number of epochs, at least 1 \(got "):
+        load(write_study(tmp_path, data))
+
+
+def test_an_auto_min_resource_that_would_prune_nothing_names_what_it_came_to(tmp_path):
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    with pytest.raises(ConfigError, match=r"study.pruner.min_resource \(auto: 1\) must be "
+                                          r"below the 1 steps"):
+        load(path, ["training.epochs=1", "study.pruner.name=successive_halving",
+                    "study.pruner.min_resource=auto"])
+    assert load(path, ["training.epochs=2", "study.pruner.name=successive_halving",
+                       "study.pruner.min_resource=auto"]).study.pruner.first_rung(2) == 1
+
+
 def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mistake(
         tmp_path):
     data = study_dict(["m"], tmp_path)
@@ -75,7 +94,7 @@ def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mi
     path = write_study(tmp_path, data)
     loaded = load(path, ["training.epochs=1"])
     assert loaded.study.pruner.name == "successive_halving"
-    assert load(path, ["training.epochs=2"]).study.pruner.min_resource == 1
+    assert load(path, ["training.epochs=2"]).study.pruner.min_resource == "auto"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -74,11 +74,28 @@ def test_hpo_is_built_from_its_schema_defaults_and_the_peers_from_their_librarie
     assert isinstance(chosen["novice"].study.pruner, optuna.pruners.NopPruner)
     assert isinstance(chosen["random"].study.sampler, optuna.samplers.RandomSampler)
     assert isinstance(chosen["tpe-hyperband"].study.pruner, optuna.pruners.HyperbandPruner)
+    assert {policy.study.study_name for policy in chosen.values()} == {"replay-0"}
     study = replay_lcbench.default_study()
     defaults = (replay_lcbench.config_module.SamplerConfig(),
                 replay_lcbench.config_module.PrunerConfig())
     assert (study.study.sampler, study.study.pruner) == defaults
     assert study.training.epochs == replay_lcbench.EPOCHS
+
+
+def test_tpe_with_hyperband_is_optunas_pairing_as_it_comes_whatever_hpos_first_rung(
+        monkeypatch):
+    made: list[dict] = []
+    original = optuna.pruners.HyperbandPruner
+
+    def spy(**kwargs):
+        made.append(kwargs)
+        return original(**kwargs)
+
+    monkeypatch.setattr(optuna.pruners, "HyperbandPruner", spy)
+    replay_lcbench.policies(["tpe-hyperband", "hb"], 0, {"hb": [
+        "study.pruner.name=hyperband", "study.pruner.min_resource=auto"]})
+    # Optuna's HyperbandPruner() starts at one epoch; hpo's `auto` at 52 / 3^2.
+    assert [m["min_resource"] for m in made] == [1, 6]
 
 
 def test_the_replay_runs_and_holds_g1_and_g2_per_peer(tmp_path, capsys):

@@ -370,3 +370,23 @@ def test_hyperband_s_resource_is_the_epochs_or_folds_a_trial_reports(tiny_study,
     made = spy_on(monkeypatch, optuna.pruners, "HyperbandPruner")
     make_pruner(load(tiny_study, [*overrides, "study.pruner.name=hyperband"]))
     assert made == {"min_resource": 1, "max_resource": steps, "reduction_factor": 3}
+
+
+@pytest.mark.parametrize(("name", "pruner"), [("successive_halving", "SuccessiveHalvingPruner"),
+                                              ("hyperband", "HyperbandPruner")])
+@pytest.mark.parametrize(("overrides", "first"), [
+    (["training.epochs=9"], 1),
+    (["training.epochs=10"], 2),
+    (["training.epochs=52"], 6),
+    (["training.epochs=52", "study.pruner.reduction_factor=2"], 13),
+    (["training.epochs=3", "search_space.epochs.low=1", "search_space.epochs.high=30"], 4),
+    (["training.epochs=30", "data.cv_folds=5"], 1),
+])
+def test_an_auto_first_rung_comes_after_a_reduction_factor_squared_th_of_the_steps(
+        tiny_study, monkeypatch, name, pruner, overrides, first):
+    from hpo.study import make_pruner
+
+    made = spy_on(monkeypatch, optuna.pruners, pruner)
+    make_pruner(load(tiny_study, [*overrides, f"study.pruner.name={name}",
+                                  "study.pruner.min_resource=auto"]))
+    assert made["min_resource"] == first

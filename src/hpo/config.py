@@ -6,6 +6,7 @@ validates it against this schema, reporting all its problems in one line.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -254,14 +255,28 @@ class PrunerConfig(_Section):
     """median: no pruning until this many trials have finished."""
     n_warmup_steps: Annotated[int, Field(ge=0)] = 1
     """median: no trial is pruned before it has reported this many epochs."""
-    min_resource: Annotated[int, Field(ge=1)] = 1
+    min_resource: int | Literal["auto"] = "auto"
     """successive_halving, hyperband: epochs (folds) before the first decision; a trial
     goes on past min_resource x reduction_factor^k epochs only if it ranks in the top
-    1/reduction_factor of the trials that reached that epoch. For trainings of many epochs,
-    a later first rung: on 52-epoch curves 6 searched far better than 1 (benchmarks/README.md,
-    LCBench)."""
+    1/reduction_factor of the trials that reached that epoch. `auto` (the default): after
+    ceil(steps / reduction_factor^2) of the steps a trial reports, 1 up to 9 epochs at
+    reduction factor 3, 6 for 52: on LCBench's 52-epoch curves a first rung at 6 searched far
+    better than at 1, where on the demo's it is 1 as before (benchmarks/README.md)."""
     reduction_factor: Annotated[int, Field(ge=2)] = 3
     """successive_halving, hyperband: the share (1/reduction_factor) kept at each rung."""
+
+    @field_validator("min_resource", mode="before")
+    @classmethod
+    def _min_resource(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError("expected auto or a whole number of epochs, at least 1")
+
+    def first_rung(self, steps: int) -> int:
+        """`min_resource` for trials that report `steps` steps, `auto` resolved."""
+        if self.min_resource == "auto":
+            return max(1, math.ceil(steps / self.reduction_factor**2))
+        return self.min_resource
 
 
 class StudySection(_Section):
@@ -431,10 +446,12 @@ class StudyConfig(_Section):
         pruner = self.study.pruner
         # A default pruner with nothing to prune (one-epoch trials) is no mistake of the file.
         chosen = {"name", "min_resource"} & pruner.model_fields_set
+        first = pruner.first_rung(self.max_steps())
         if chosen and pruner.name in ("successive_halving", "hyperband") and (
-                pruner.min_resource >= self.max_steps()):
+                first >= self.max_steps()):
+            given = "auto: " * (pruner.min_resource == "auto") + str(first)
             raise ValueError(
-                f"study.pruner.min_resource ({pruner.min_resource}) must be below the "
+                f"study.pruner.min_resource ({given}) must be below the "
                 f"{self.max_steps()} steps a trial reports (its epochs, or its folds under "
                 f"cv_folds): {pruner.name} would prune nothing")
         return self

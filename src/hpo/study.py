@@ -48,17 +48,18 @@ def make_sampler(config: StudyConfig, trial_number: int | None = None
 
 def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
     pruner = config.study.pruner
+    first = pruner.first_rung(config.max_steps())
     if pruner.name == "median":
         return optuna.pruners.MedianPruner(
             n_startup_trials=pruner.n_startup_trials, n_warmup_steps=pruner.n_warmup_steps
         )
     if pruner.name == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(
-            min_resource=pruner.min_resource, reduction_factor=pruner.reduction_factor
+            min_resource=first, reduction_factor=pruner.reduction_factor
         )
     if pruner.name == "hyperband":
         return optuna.pruners.HyperbandPruner(
-            min_resource=pruner.min_resource, max_resource=config.max_steps(),
+            min_resource=first, max_resource=config.max_steps(),
             reduction_factor=pruner.reduction_factor,
         )
     return optuna.pruners.NopPruner()
