@@ -49,6 +49,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from hpo.launcher import exit_code
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from postgres import PrivateServer  # noqa: E402 - the tests' disposable server
@@ -59,11 +61,11 @@ SETTINGS = ("--set", "search_space.model_name=[data/demo/models/tiny-bert]",
 # Scaled down from 30 s and 120 s so that kills are found and retried within the soak.
 LIVENESS = {"HPO_HEARTBEAT_INTERVAL": "2", "HPO_GRACE_PERIOD": "8"}
 KILL_POINTS = ("claim", "heartbeat", "train", "tell")
-# Done; stopped by SIGTERM; killed. A SIGTERM that lands while Python is still starting,
-# before `hpo` installed its handler, ends the run by the default action (-SIGTERM): nothing
-# was claimed yet, and the launcher and compose read it as 143 too.
-STOPPED = (143, -signal.SIGTERM)
-GOOD_EXITS = (0, *STOPPED, -signal.SIGKILL)
+# Exit codes as a shell (and hpo's launcher) reads them: done; stopped by SIGTERM; killed.
+# A SIGTERM that lands while Python is still starting, before `hpo` installed its handler,
+# ends the run by the default action: nothing was claimed yet, and it reads as 143 too.
+STOPPED = (128 + signal.SIGTERM, 128 + signal.SIGKILL)
+GOOD_EXITS = (0, *STOPPED)
 RSS_GROWTH_MIB = 60.0
 READER_SLACK = 20.0  # seconds after the database is back before a reader must answer
 
@@ -232,7 +234,7 @@ def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
     from hpo import artifacts as artifacts_module
 
     runs = [run for worker in workers for run in worker.runs]
-    codes = Counter(code for _, code, _ in runs)
+    codes = Counter(exit_code(code) for _, code, _ in runs)
     study = optuna.load_study(study_name=STUDY, storage=url)
     trials = {t.number: t for t in study.trials}
     states = Counter(t.state.name for t in trials.values())
@@ -242,7 +244,7 @@ def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
                                       re.MULTILINE)]
     wrong = [(n, v) for n, v in printed if trials[n].state != TrialState.COMPLETE
              or abs(trials[n].value - v) > 1e-4]
-    stopped = sum(1 for _, code, _ in runs if code in (*STOPPED, -signal.SIGKILL))
+    stopped = sum(n for code, n in codes.items() if code in STOPPED)
     growth: dict[str, float] = {}
     by_worker: dict[str, list[tuple[int, float]]] = {}
     for t in trials.values():
