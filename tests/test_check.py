@@ -297,6 +297,20 @@ def test_an_oom_beside_other_processes_stays_out_of_the_studys_verdicts(monkeypa
     assert check.unusable(study, device, "b", "bf16") == "CUDA out of memory"
 
 
+def test_a_precision_only_shared_memory_kept_from_stepping_is_crowded():
+    def verdict(model, precision, usable, shared_oom=False):
+        return check.Verdict(model, precision, usable, None if usable else "out of memory",
+                             shared_oom=shared_oom)
+
+    assert check.crowded([verdict("a", "bf16", True), verdict("a", "none", False, True),
+                          verdict("b", "none", False, True)]) == {"none"}
+    # Usable in one model: judged, and timed there.
+    assert check.crowded([verdict("a", "none", True), verdict("b", "none", False, True)]) == set()
+    # Out of memory on the device alone, or not finite: judged unusable.
+    assert check.crowded([verdict("a", "none", False), verdict("a", "fp16", False)]) == set()
+    assert check.crowded(None) == set()
+
+
 def test_nothing_usable_beside_other_processes_says_so(monkeypatch):
     from types import SimpleNamespace
 

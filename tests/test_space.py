@@ -3,7 +3,7 @@ import pytest
 from conftest import A100, CPU_AVX2, CPU_AVX512_BF16, H100, T4
 
 from hpo.config import SearchSpace
-from hpo.space import PIN_ATTR, SpaceError, by_cost, pin, resolve_precisions, suggest
+from hpo.space import CROWDED, PIN_ATTR, SpaceError, by_cost, pin, resolve_precisions, suggest
 
 
 def space(**changes) -> SearchSpace:
@@ -45,6 +45,29 @@ def test_by_cost_keeps_the_precisions_within_the_tolerance_of_the_cheapest():
     assert a100.dropped["fp16"] == "no model stepped in it (hpo check)"
     # Nothing measured at all: nothing speaks against any precision.
     assert by_cost({}, ("bf16", "none"), 0.1).kept == ("bf16", "none")
+
+
+def test_by_cost_keeps_a_precision_only_a_shared_device_kept_from_stepping():
+    # An H100 that another process half fills: every model ran out of memory in fp32 even at
+    # one sequence. That says nothing of the device alone, and the study decides for good.
+    shared = by_cost({"m": {"bf16": 0.10}}, ("bf16", "none"), 0.1, crowded=frozenset({"none"}))
+    assert shared.kept == ("bf16", "none") and shared.dropped == {}
+    assert shared.unsettled == {"none": CROWDED}
+    # The precisions that were timed are still compared among themselves.
+    three = by_cost({"m": {"fp16": 0.10, "bf16": 0.30}}, ("fp16", "bf16", "none"), 0.1,
+                    crowded=frozenset({"none"}))
+    assert three.kept == ("fp16", "none")
+    assert three.dropped == {"bf16": "its step took 3.00x fp16's, summed over 1 model(s)"}
+    # A precision some model did step in is judged by its cost, crowded or not; one that
+    # failed on the device alone (not crowded) is dropped as before.
+    timed = by_cost({"m": {"bf16": 0.10, "none": 0.35}}, ("fp16", "bf16", "none"), 0.1,
+                    crowded=frozenset({"none"}))
+    assert timed.kept == ("bf16",) and timed.unsettled == {}
+    assert timed.dropped["fp16"] == "no model stepped in it (hpo check)"
+    # No configuration measured in every timed precision: all usable ones and the crowded.
+    apart = by_cost({"a": {"bf16": 1.0}, "b": {"fp16": 1.0}}, ("fp16", "bf16", "none"), 0.1,
+                    crowded=frozenset({"none"}))
+    assert apart.kept == ("fp16", "bf16", "none") and apart.unsettled == {"none": CROWDED}
 
 
 def test_by_cost_says_when_the_repeats_spread_leaves_a_decision_unsettled():

@@ -14,7 +14,7 @@ from hpo import check, memory
 from hpo.cli import main
 from hpo.hardware import detect, native_precisions, precision_names
 from hpo.memory import BatchLimit
-from hpo.space import PIN_ATTR, PinnedSpace, by_cost
+from hpo.space import CROWDED, PIN_ATTR, PinnedSpace, by_cost
 from hpo.storage import open_storage
 from hpo.study import StudyBatchCache, decide_precisions, join
 from hpo.study_files import load
@@ -76,6 +76,19 @@ def test_auto_precisions_are_decided_once_by_the_first_worker(any_storage):
     second = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.4, "none": 1.0}}, 0.1)
     assert second == first
     assert PinnedSpace.from_json(study.user_attrs[PIN_ATTR]) == first
+    storage.engine.dispose()
+
+
+def test_auto_keeps_a_precision_the_first_worker_could_not_step_in_beside_others(tmp_path):
+    # The first worker shared its GPU: fp32 ran out of memory in every model. The decision
+    # binds the whole fleet, so fp32 stays searched, and the study records why.
+    study, storage, pinned = _pinned_study(f"sqlite:///{tmp_path / 'c.db'}", ("bf16", "none"))
+    decided = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.0}}, 0.1, None,
+                                frozenset({"none"}))
+    assert decided.fp_precision == ("bf16", "none")
+    assert decided.decided == {"by": "cost", "tolerance": 0.1, "dropped": {},
+                               "unsettled": {"none": CROWDED}}
+    assert PinnedSpace.from_json(study.user_attrs[PIN_ATTR]) == decided
     storage.engine.dispose()
 
 

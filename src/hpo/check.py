@@ -121,6 +121,15 @@ def step_spreads(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]]:
     return spreads
 
 
+def crowded(verdicts: list[Verdict] | None) -> frozenset[str]:
+    """The precisions no combination was found usable in, but some ran out of memory only
+    while other processes held part of the device: not judged on the device alone, so no
+    reason to leave them out of a search (`space.by_cost`)."""
+    verdicts = verdicts or []
+    return frozenset(v.precision for v in verdicts if v.shared_oom) - {
+        v.precision for v in verdicts if v.usable}
+
+
 def _timed(verdicts: list[Verdict] | None) -> list[Verdict]:
     return [v for v in verdicts or () if v.usable and v.step_seconds and v.step_batch]
 

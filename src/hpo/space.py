@@ -99,9 +99,14 @@ class CostChoice:
     unsettled: dict[str, str] = field(default_factory=dict)
 
 
+# Why a precision the check could not judge on the device alone is kept (`by_cost`).
+CROWDED = ("kept untimed: the check ran out of memory in it only while other processes held "
+           "part of the device")
+
+
 def by_cost(seconds: dict[str, dict[str, float]], candidates: tuple[str, ...],
-            tolerance: float, spreads: dict[str, dict[str, float]] | None = None
-            ) -> CostChoice:
+            tolerance: float, spreads: dict[str, dict[str, float]] | None = None,
+            crowded: frozenset[str] = frozenset()) -> CostChoice:
     """The candidate precisions worth searching, from the measured seconds of a training
     step (per sequence) per configuration (model) and precision. A precision no model could
     step in is dropped. Of the rest, a precision's cost is its seconds summed over the
@@ -112,24 +117,30 @@ def by_cost(seconds: dict[str, dict[str, float]], candidates: tuple[str, ...],
 
     `spreads` (the same shape, each a time's relative spread over repeats) mark a decision
     unsettled where a precision's cost ratio to the cheapest lies within the combined spread of
-    the two costs from the tolerance's edge."""
+    the two costs from the tolerance's edge. A `crowded` precision no model stepped in (each
+    ran out of memory beside other processes, `check.crowded`) was not judged: the study
+    decides once for good, so it is kept, untimed, and its decision marked unsettled."""
     usable = tuple(p for p in candidates if any(p in steps for steps in seconds.values()))
+    untimed = {p: CROWDED for p in candidates if p in crowded and p not in usable}
     if not usable:
-        return CostChoice(candidates, {})
-    dropped = {p: "no model stepped in it (hpo check)" for p in candidates if p not in usable}
+        return CostChoice(candidates, {}, untimed)
+    dropped = {p: "no model stepped in it (hpo check)" for p in candidates
+               if p not in usable and p not in untimed}
     complete = {name: steps for name, steps in seconds.items()
                 if all(p in steps for p in usable)}
     if not complete:
-        return CostChoice(usable, dropped)
+        return CostChoice(tuple(p for p in candidates if p in usable or p in untimed), dropped,
+                          untimed)
     cost = {p: sum(steps[p] for steps in complete.values()) for p in usable}
     cheapest = min(cost.values())
     fastest = min(usable, key=cost.__getitem__)
-    kept = tuple(p for p in PRECISIONS if p in cost and cost[p] <= (1 + tolerance) * cheapest)
+    kept = tuple(p for p in PRECISIONS
+                 if p in untimed or (p in cost and cost[p] <= (1 + tolerance) * cheapest))
     dropped |= {p: f"its step took {cost[p] / cheapest:.2f}x {precision_name(fastest)}'s, "
                    f"summed over {len(complete)} model(s)" for p in usable if p not in kept}
     spread = {p: _spread(complete, spreads or {}, p) / cost[p] for p in usable}
     edge = 1 + tolerance
-    unsettled = {}
+    unsettled = dict(untimed)
     for p in usable:
         ratio, noise = cost[p] / cheapest, spread[p] + spread[fastest]
         if p != fastest and noise > 0 and abs(ratio - edge) <= noise * ratio:

@@ -199,12 +199,14 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
 def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned: PinnedSpace,
                       seconds: dict[str, dict[str, float]] | None,
                       tolerance: float,
-                      spreads: dict[str, dict[str, float]] | None = None) -> PinnedSpace:
+                      spreads: dict[str, dict[str, float]] | None = None,
+                      crowded: frozenset[str] = frozenset()) -> PinnedSpace:
     """For `fp_precision: auto`, the precisions the study searches, decided once for the
     whole fleet, before any trial samples one (Optuna's categorical choices cannot change
     later): those `space.by_cost` keeps from the check's measured `seconds` per step (per
     model and precision; `spreads`, how much their repeats strayed, says when the decision
-    is unsettled), or, with no measurement, every native one. Under the study lock:
+    is unsettled; `crowded` precisions the check could not judge beside other processes are
+    kept), or, with no measurement, every native one. Under the study lock:
     the first worker to decide decides for all; the others read its decision."""
     if pinned.declared.get("fp_precision") != "auto" or pinned.decided is not None:
         return pinned
@@ -219,7 +221,7 @@ def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned:
             decided = PinnedSpace(stored.declared, stored.fp_precision,
                                   {"by": "native", "why": why})
         else:
-            choice = by_cost(seconds, stored.fp_precision, tolerance, spreads)
+            choice = by_cost(seconds, stored.fp_precision, tolerance, spreads, crowded)
             decided = PinnedSpace(stored.declared, choice.kept,
                                   {"by": "cost", "tolerance": tolerance,
                                    "dropped": choice.dropped,

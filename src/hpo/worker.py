@@ -148,7 +148,8 @@ def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resourc
     verdicts = (check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
                 else check.stored(study, resources.device))
     decided = decide_precisions(study, storage, pinned, check.step_seconds(verdicts),
-                                config.study.precision_tolerance, check.step_spreads(verdicts))
+                                config.study.precision_tolerance, check.step_spreads(verdicts),
+                                check.crowded(verdicts))
     if decided.decided != pinned.decided:
         reporter.message(report.describe_decision(decided, verbose))
     stored_tolerance = (decided.decided or {}).get("tolerance")
