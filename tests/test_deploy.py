@@ -137,6 +137,7 @@ def test_compose_workers_have_one_distinct_gpu_each(compose):
     for name, service in workers(compose).items():
         assert service["command"] == ["run", "--study", "redsm5", "--n-trials", "200"], name
         assert str(service["restart"]).startswith("on-failure"), name
+        assert service["stop_grace_period"] == "30s", name  # time to re-queue its trial
         assert "replicas" not in service.get("deploy", {}), name
         devices = service["deploy"]["resources"]["reservations"]["devices"]
         assert len(devices) == 1, name
@@ -158,7 +159,8 @@ def test_compose_cpu_override_reserves_no_gpu_and_gives_workers_one_thread(compo
     # Otherwise the same fleet: commands, storage, volumes, restart policies.
     for name, service in compose["services"].items():
         ours = cpu_compose["services"][name]
-        for key in ("command", "volumes", "restart", "depends_on", "image", "ports"):
+        for key in ("command", "volumes", "restart", "stop_grace_period", "depends_on", "image",
+                    "ports"):
             assert ours.get(key) == service.get(key), (name, key)
 
 

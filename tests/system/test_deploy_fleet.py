@@ -153,7 +153,7 @@ def test_the_fleet_runs_the_study_to_its_budget_through_a_stop_and_a_kill(fleet,
     # and the other worker runs the copy.
     host = fleet.container("worker-1")["Config"]["Hostname"]
     for _attempt in range(3):
-        failed, stop_seconds = stop_in_a_trial(fleet, "worker-1", host)
+        failed = stop_in_a_trial(fleet, "worker-1", host)
         if failed is not None:
             break
         fleet.compose("start", "worker-1")  # the trial ended before the stop: again
@@ -161,8 +161,13 @@ def test_the_fleet_runs_the_study_to_its_budget_through_a_stop_and_a_kill(fleet,
     assert failed.user_attrs["error"] == "interrupted by SIGTERM"
     copies = [t for t in fleet.trials() if t.system_attrs.get("failed_trial") == failed.number]
     assert len(copies) == 1, "the interrupted trial was not re-queued once"
-    # Re-queued by the worker as it stopped, not by the reaper a grace period (8 s) later.
-    assert stop_seconds < 8, stop_seconds
+    # Re-queued by the worker as it stopped (`executor.free` says so only when it queued the
+    # copy itself), not by the reaper a grace period later. Told by what the worker printed,
+    # not by how long the stop took: that is the machine's to decide.
+    logs = docker("logs", fleet.container("worker-1")["Id"])
+    printed = " ".join((logs.stdout + logs.stderr).split())  # Rich wraps at 80 columns
+    said = f"trial {failed.number} failed (interrupted by SIGTERM) and re-queued for the next"
+    assert said in printed, printed[-3000:]
 
     other = fleet.container("worker-0")["Config"]["Hostname"]
     copy = wait_for("the re-queued copy to finish", lambda: next(
@@ -201,22 +206,19 @@ def test_the_fleet_runs_the_study_to_its_budget_through_a_stop_and_a_kill(fleet,
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
 
 
-def stop_in_a_trial(fleet: Fleet, service: str, host: str
-                    ) -> tuple[optuna.trial.FrozenTrial | None, float]:
+def stop_in_a_trial(fleet: Fleet, service: str, host: str) -> optuna.trial.FrozenTrial | None:
     """`docker-compose stop` of `service` while it runs a trial that has reported no epoch yet
-    (at least two epochs left, pruned or not); that trial as it ended if the stop failed it,
-    and how long the stop took."""
+    (at least two epochs left, pruned or not); that trial as it ended if the stop failed it."""
     running = wait_for(f"a starting trial of {service} ({host})", lambda: [
         t for t in fleet.trials() if t.state == TrialState.RUNNING and not t.intermediate_values
         and str(t.user_attrs.get("worker", "")).startswith(f"{host}:")], timeout=300,
         interval=0.2)
-    began = time.monotonic()
     fleet.compose("stop", service)
-    seconds = time.monotonic() - began
+    # 143, not 137: the worker ended by itself within Docker's stop timeout, not killed.
     assert fleet.container(service)["State"]["ExitCode"] == 143
     by_number = {t.number: t for t in fleet.trials()}
     failed = [by_number[t.number] for t in running if by_number[t.number].state == TrialState.FAIL]
-    return (failed[0] if failed else None), seconds
+    return failed[0] if failed else None
 
 
 def test_final_in_a_container_exports_a_model_the_host_loads(fleet, tmp_path):
