@@ -27,8 +27,10 @@ yet, plus the batch search where the study has no batch limit cached for its mod
 precision (hpo's cache as on a GPU, where a model's first search reaches the physical limit;
 it costs the table's search at that bound). The peers' trials cost the table's seconds times
 their measured slowdown against hpo on the table's CPU kind, per model, and every worker
-starts after its tool's measured start-up (both from benchmarks/search_quality.json). Not
-simulated: the samplers' own seconds (below 0.1 s per trial, against 10-60 s trials).
+starts after its tool's measured start-up (both from benchmarks/search_quality.json);
+`--even-costs` prices every tool as hpo and hpo's batch searches as free, to compare the
+searches alone. Not simulated: the samplers' own seconds (below 0.1 s per trial, against
+10-60 s trials).
 """
 
 from __future__ import annotations
@@ -550,6 +552,16 @@ def measured(real: dict, machine: str) -> Measured:
                     len(runs), {tool: statistics.median(v) for tool, v in gaps.items() if v})
 
 
+def even(facts: Measured, curves: Curves) -> Measured:
+    """Every tool's trials priced as hpo's, for `--even-costs`: no slowdowns, hpo's start-up
+    and gap for all, and hpo's batch searches free (`curves` changed so): what the searches
+    alone make of a world, apart from what each tool costs around them."""
+    curves.costs = replace(curves.costs, batch_search={})
+    start, gap = facts.startup.get("hpo", 0.0), facts.gaps.get("hpo", 0.0)
+    return Measured({tool: start for tool in facts.startup}, {}, facts.runs,
+                    {tool: gap for tool in facts.gaps})
+
+
 def short(model: str) -> str:
     return model.rsplit("/", 1)[-1]
 
@@ -741,6 +753,8 @@ def run(args: argparse.Namespace) -> dict:
     study = study_files.load(study_files.study_path("demo"),
                                [f"training.epochs={args.epochs or table['epochs']}"])
     facts = measured(json.loads(args.real.read_text()), table["machine"])
+    if args.even_costs:
+        facts = even(facts, curves)
     variants = dict(args.variants)
     names = ["hpo", *[p for p in args.policies if p != "hpo"], *variants]
     if args.hpo_sets:
@@ -752,7 +766,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "budget": args.budget, "workers": args.workers, "repetitions": args.repetitions,
         "first_seed": args.first_seed, "epochs": study.training.epochs,
-        "hpo_sets": args.hpo_sets,
+        "hpo_sets": args.hpo_sets, "even_costs": args.even_costs,
         "table": {"file": args.table.name, "machine": table["machine"], "dates": table["dates"],
                   "rows": len(table["rows"]), "seeds": sorted({r[5] for r in table["rows"]})},
         "measured": {"startup": facts.startup, "slowdowns": facts.slowdowns,
@@ -890,6 +904,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hpo-set", dest="hpo_sets", action="append", default=[],
                         metavar="KEY=VALUE", help="hpo's defaults changed so; the peers, "
                         "those built on hpo too, keep the study file's")
+    parser.add_argument("--even-costs", action="store_true",
+                        help="every tool's trials cost hpo's, and hpo searches no batch: "
+                        "the searches alone")
     parser.add_argument("--table", type=Path, default=TABLE)
     parser.add_argument("--real", type=Path, default=REAL,
                         help="real runs: the peers' start-up and slowdowns")

@@ -229,6 +229,41 @@ def test_every_policy_runs_and_the_output_holds_g1_and_g2_per_peer(tmp_path):
     assert len(result["repetitions_data"]) == 2
 
 
+def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_path,
+                                                                          monkeypatch):
+    real = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())
+    made = made_up_table()
+    made["machine"] = real["runs"][0]["machine"]
+    facts = replay.measured(real, made["machine"])
+    assert facts.startup["expert"] != facts.startup["hpo"] and facts.slowdowns["expert"]
+    curves = replay.Curves(made)
+    assert curves.costs.batch_search
+    priced: list[tuple] = []
+
+    def simulate(policy, table, *args, **kwargs):
+        priced.append((policy.name, policy.startup, policy.gap,
+                       policy.slowdown(table.models[0]), table.costs.batch_search))
+        return real_simulate(policy, table, *args, **kwargs)
+
+    real_simulate = replay.simulate
+    monkeypatch.setattr(replay, "simulate", simulate)
+    study = replay.study_files.load(replay.study_files.study_path("demo"))
+    replay.repetition(["hpo", "expert", "novice"], study, curves, 0, budget=4, workers=1,
+                      facts=replay.even(facts, curves))
+    assert sorted(p[0] for p in priced) == ["expert", "hpo", "novice"]
+    for policy in priced:
+        assert policy[1:] == (facts.startup["hpo"], facts.gaps["hpo"], 1.0, {}), policy
+    # The command line says so in its output.
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps(made))
+    output = tmp_path / "out.json"
+    replay.main(["--budget", "4", "--repetitions", "1", "--table", str(table), "--output",
+                 str(output), "--policies", "expert", "--even-costs"])
+    result = json.loads(output.read_text())
+    assert result["even_costs"] and result["measured"]["slowdowns"] == {}
+    assert set(result["measured"]["startup"].values()) == {facts.startup["hpo"]}
+
+
 def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
     pytest.importorskip("ray.tune", reason="Ray Tune comes with '.[bench]'")
     from hpo import study_files
