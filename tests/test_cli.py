@@ -47,6 +47,15 @@ def test_run_records_parameters_and_attributes(tiny_study, storage, capsys):
     assert len(re.findall(r"^trial \d+ value ", out, flags=re.MULTILINE)) == 3
 
 
+def test_a_one_epoch_run_of_a_rung_pruned_study_runs_unpruned_and_says_so(tiny_study, storage,
+                                                                         capsys):
+    assert run(tiny_study, storage, 2, "--set", "training.epochs=1", "--set",
+               "study.pruner.name=successive_halving") == 0
+    trials = load(storage).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert "no pruning: trials report 1 step (1 epoch)" in capsys.readouterr().out
+
+
 def test_a_changed_space_is_refused(tiny_study, storage, capsys):
     assert run(tiny_study, storage, 1) == 0
     capsys.readouterr()

@@ -77,14 +77,36 @@ def test_min_resource_is_auto_or_a_whole_number_of_epochs(tmp_path, value):
         load(write_study(tmp_path, data))
 
 
-def test_an_auto_min_resource_that_would_prune_nothing_names_what_it_came_to(tmp_path):
+@pytest.mark.parametrize("name", ["successive_halving", "hyperband"])
+def test_an_auto_first_rung_with_nothing_to_prune_runs_without_pruning_and_says_so(tmp_path,
+                                                                                   name):
     path = write_study(tmp_path, study_dict(["m"], tmp_path))
-    with pytest.raises(ConfigError, match=r"study.pruner.min_resource \(auto: 1\) must be "
-                                          r"below the 1 steps"):
-        load(path, ["training.epochs=1", "study.pruner.name=successive_halving",
-                    "study.pruner.min_resource=auto"])
-    assert load(path, ["training.epochs=2", "study.pruner.name=successive_halving",
-                       "study.pruner.min_resource=auto"]).study.pruner.first_rung(2) == 1
+    one = load(path, ["training.epochs=1", f"study.pruner.name={name}",
+                      "study.pruner.min_resource=auto"])
+    assert not one.prunes()
+    assert one.pruning_note() == (f"  no pruning: trials report 1 step (1 epoch) and "
+                                  f"study.pruner ({name}) decides only before the last; "
+                                  f"more epochs let it prune")
+    two = load(path, ["training.epochs=2", f"study.pruner.name={name}",
+                      "study.pruner.min_resource=auto"])
+    assert two.prunes() and two.pruning_note() is None
+    assert two.study.pruner.first_rung(2) == 1
+
+
+@pytest.mark.parametrize(("overrides", "prunes"), [
+    (["study.pruner.name=median", "training.epochs=1"], False),
+    (["study.pruner.name=median", "training.epochs=2"], True),
+    (["study.pruner.name=median", "study.pruner.n_warmup_steps=2", "training.epochs=2"], False),
+    (["study.pruner.name=none", "training.epochs=5"], False),
+    (["study.pruner.name=successive_halving", "training.epochs=1", "data.cv_folds=3"], True),
+])
+def test_whether_a_pruner_can_stop_a_trial_follows_the_steps_it_reports(tmp_path, overrides,
+                                                                         prunes):
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    loaded = load(path, overrides)
+    assert loaded.prunes() is prunes
+    # A pruner the file turns off needs no word; one that cannot act does.
+    assert (loaded.pruning_note() is None) is (prunes or "study.pruner.name=none" in overrides)
 
 
 def test_the_default_pruner_is_successive_halving_and_one_epoch_trials_are_no_mistake(

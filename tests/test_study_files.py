@@ -22,6 +22,19 @@ def test_shipped_study_files_are_valid_and_say_how_to_run_them(name):
     assert len(loaded.search_space.model_name) >= 2
 
 
+@pytest.mark.parametrize("name", ["demo", "redsm5"])
+@pytest.mark.parametrize("overrides", [
+    ["training.epochs=1"], ["training.epochs=2"], ["training.epochs=30"],
+    ["training.epochs=1", "study.pruner.name=hyperband"],
+    ["training.epochs=1", "study.pruner.name=median"], ["data.cv_folds=2"],
+])
+def test_a_shipped_study_stays_valid_under_the_obvious_overrides(name, overrides):
+    """Overriding a setting never makes a shipped file invalid (a one-epoch demo was refused
+    because its pruner, with nothing to rank, would prune nothing)."""
+    loaded = load(REPO / "configs" / "studies" / f"{name}.yaml", overrides)
+    assert (loaded.pruning_note() is None) is loaded.prunes()
+
+
 def test_malformed_yaml_names_file_and_line(tmp_path):
     path = write_study(tmp_path, "data:\n  dir: [unclosed\n")
     with pytest.raises(ConfigError, match=r"study.yaml: malformed YAML \(line \d+"):

@@ -444,17 +444,37 @@ class StudyConfig(_Section):
     @model_validator(mode="after")
     def _resource(self) -> StudyConfig:
         pruner = self.study.pruner
-        # A default pruner with nothing to prune (one-epoch trials) is no mistake of the file.
-        chosen = {"name", "min_resource"} & pruner.model_fields_set
-        first = pruner.first_rung(self.max_steps())
-        if chosen and pruner.name in ("successive_halving", "hyperband") and (
-                first >= self.max_steps()):
-            given = "auto: " * (pruner.min_resource == "auto") + str(first)
+        # Only a first rung the file sets as a number can be its mistake: `auto` follows the
+        # epochs, which an override may set to one (the worker then says it prunes nothing).
+        explicit = "min_resource" in pruner.model_fields_set and pruner.min_resource != "auto"
+        if explicit and not self.prunes():
             raise ValueError(
-                f"study.pruner.min_resource ({given}) must be below the "
+                f"study.pruner.min_resource ({pruner.min_resource}) must be below the "
                 f"{self.max_steps()} steps a trial reports (its epochs, or its folds under "
                 f"cv_folds): {pruner.name} would prune nothing")
         return self
+
+    def prunes(self) -> bool:
+        """Whether the pruner can stop any trial: a rung pruner needs a rung before the last
+        step a trial reports (the last is never pruned: its compute is spent)."""
+        pruner = self.study.pruner
+        if pruner.name == "none":
+            return False
+        if pruner.name == "median":
+            return max(pruner.n_warmup_steps, 1) < self.max_steps()
+        return pruner.first_rung(self.max_steps()) < self.max_steps()
+
+    def pruning_note(self) -> str | None:
+        """Said where the study's pruner can stop no trial although the file names one."""
+        pruner = self.study.pruner
+        if pruner.name == "none" or self.prunes():
+            return None
+        steps = self.max_steps()
+        what = (f"data.cv_folds {steps}" if self.data.cv_folds is not None
+                else f"{steps} epoch{'s' * (steps != 1)}")
+        return (f"  no pruning: trials report {steps} step{'s' * (steps != 1)} ({what}) "
+                f"and study.pruner ({pruner.name}) decides only before the last; more epochs "
+                f"let it prune")
 
     def max_steps(self) -> int:
         """The most steps a trial reports, the pruners' resource: its folds under

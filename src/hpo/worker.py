@@ -65,6 +65,9 @@ def prepare_worker(config: StudyConfig, splits: Splits, device: Device, url: str
                                            storage.grace_period)
     if heartbeat_note:
         reporter.message(heartbeat_note)
+    pruning_note = config.pruning_note()
+    if pruning_note:
+        reporter.message(pruning_note)
     resources = load_resources(config, pinned, device, splits)
     if config.study.keep_best and not config.data.cv_folds:
         resources.keeper = artifacts.keeper_for(config, url)
