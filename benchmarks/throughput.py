@@ -174,7 +174,7 @@ def run_ours(b: Bench, run: str) -> Result:
     model = prepare(b.store.build(b.args.model, len(SYMPTOMS), seed=0), plan, b.device)
     started = time.perf_counter()
     progress = train(model, b.train_data, plan, b.device, pad_id=b.tokenizer.pad_token_id or 0,
-                     evaluate=lambda _: 0.0, on_epoch=lambda _e, _s: None,
+                     evaluate=lambda _: 0.0, on_evaluation=lambda _e, _s: None,
                      pos_weight=b.pos_weight)
     seconds = time.perf_counter() - started
     return b.score(run, model, progress.samples, seconds, progress.padding_efficiency,

@@ -86,7 +86,7 @@ def test_an_auto_first_rung_with_nothing_to_prune_runs_without_pruning_and_says_
     assert not one.prunes()
     assert one.pruning_note() == (f"  no pruning: trials report 1 step (1 epoch) and "
                                   f"study.pruner ({name}) decides only before the last; "
-                                  f"more epochs let it prune")
+                                  f"more epochs or training.evaluations_per_epoch let it prune")
     two = load(path, ["training.epochs=2", f"study.pruner.name={name}",
                       "study.pruner.min_resource=auto"])
     assert two.prunes() and two.pruning_note() is None
@@ -162,3 +162,14 @@ def test_an_adapter_set_with_its_method_may_be_enqueued(tmp_path):
                                 "study.enqueue=[{peft: lora, adapter_learning_rate: 5.0e-4}, "
                                 "{peft: none, learning_rate: 2.0e-4}]"])
     assert ranged.study.enqueue[0] == {"peft": "lora", "adapter_learning_rate": 5.0e-4}
+
+
+def test_evaluations_inside_an_epoch_let_a_one_epoch_study_prune(tmp_path):
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    loaded = load(path, ["training.epochs=1", "training.evaluations_per_epoch=4",
+                         "study.pruner.name=successive_halving"])
+    assert loaded.max_steps() == 4 and loaded.prunes() and loaded.pruning_note() is None
+    assert loaded.study.pruner.first_rung(loaded.max_steps()) == 1
+    with pytest.raises(ConfigError, match=r"training.evaluations_per_epoch: a cross-validated "
+                                          r"trial \(data.cv_folds\) reports once per fold"):
+        load(path, ["training.evaluations_per_epoch=2", "data.cv_folds=3"])

@@ -82,12 +82,12 @@ def test_best_epoch_puts_the_best_epochs_weights_back():
     from hpo.drivers import BestEpoch
 
     model = _linear(1.0)
-    best = BestEpoch(model, "best", epochs=3)
-    best.after_epoch(1, [0.5])  # the best so far: copied
+    best = BestEpoch(model, "best", evaluations=3)
+    best.after_evaluation(1, [0.5])  # the best so far: copied
     model.weight.data.fill_(2.0)
-    best.after_epoch(2, [0.5, 0.4])  # worse: not copied
+    best.after_evaluation(2, [0.5, 0.4])  # worse: not copied
     model.weight.data.fill_(3.0)
-    best.after_epoch(3, [0.5, 0.4, 0.3])  # the last: the model's own, never copied
+    best.after_evaluation(3, [0.5, 0.4, 0.3])  # the last: the model's own, never copied
     assert best.restore([0.5, 0.4, 0.3]) == 0
     assert model.weight.item() == 1.0
 
@@ -97,10 +97,10 @@ def test_best_epoch_keeps_the_last_epochs_weights_when_they_are_the_value():
 
     for rule, values in (("best", [0.3, 0.5]), ("last", [0.5, 0.3])):
         model = _linear(1.0)
-        best = BestEpoch(model, rule, epochs=2)
-        best.after_epoch(1, values[:1])
+        best = BestEpoch(model, rule, evaluations=2)
+        best.after_evaluation(1, values[:1])
         model.weight.data.fill_(2.0)
-        best.after_epoch(2, values)
+        best.after_evaluation(2, values)
         assert best.restore(values) == 1 and model.weight.item() == 2.0
 
 
@@ -131,10 +131,10 @@ def _fake_fit(values: list[float]):
     from hpo import metrics
 
     def fit(_models, _name, _training, _plan, _resources, _data, _pad_id, _evaluate, scores,
-            *, on_epoch, **_kwargs):
+            *, on_evaluation, **_kwargs):
         for epoch, value in enumerate(values, 1):
             scores.append(metrics.Scores(value, value, {}))
-            on_epoch(epoch, value)
+            on_evaluation(epoch, value)
         return None, len(values)
 
     return fit
@@ -160,7 +160,8 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
                                                      objective_epoch=rule)),
         keeper=None, models=None, device=None, label_names=("a",),
         gold=lambda: torch.zeros((1, 1), dtype=torch.bool))
-    planned = SimpleNamespace(plan=SimpleNamespace(epochs=len(values)), pad_id=0,
+    planned = SimpleNamespace(plan=SimpleNamespace(epochs=len(values), evaluations=len(values),
+                                                  evaluations_per_epoch=1), pad_id=0,
                               params=SimpleNamespace(model_name="m"), training=None,
                               train_data=None, validation_data=None)
     trained = drivers.train_trial(context, planned, resources)

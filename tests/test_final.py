@@ -351,3 +351,26 @@ def test_a_device_others_use_is_searched_for_what_is_left_and_the_user_told(
     reporter = Quiet()
     final_module.fitted_plan(found, resources, cache, 2, False, reporter)
     assert searched_with[-1] == 0 and reporter.messages == []
+
+
+def test_a_search_scored_inside_epochs_is_refit_to_the_evaluation_its_value_came_from(
+        tmp_path, tiny_model, small_data):
+    config = study_dict([tiny_model], small_data, epochs=2)
+    config["data"]["test_fraction"] = 0.2
+    config["study"]["objective_epoch"] = "best"
+    config["training"]["evaluations_per_epoch"] = 3
+    study_file = tmp_path / "tiny.yaml"
+    study_file.write_text(yaml.safe_dump(config))
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert main(["run", "--config", str(study_file), "--storage", storage, "--n-trials", "2",
+                 "--set", "study.sampler.name=random"]) == 0
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert [sorted(t.intermediate_values) for t in trials] == [[1, 2, 3, 4, 5, 6]] * 2
+    assert all(len(t.user_attrs["epoch_seconds"]) == 6 for t in trials)
+    best = max(trials, key=lambda t: t.value)
+    epoch = best.user_attrs["value_epoch"]
+    assert epoch in (0.333, 0.667, 1, 1.333, 1.667, 2)
+    output = tmp_path / "model"
+    assert final(study_file, storage, "--refit", "--seeds", "1", "--output", str(output)) == 0
+    (run,) = json.loads((output / "report.json").read_text())["runs"]
+    assert run["epochs"] == run["epoch"] == epoch

@@ -27,6 +27,7 @@ def test_shipped_study_files_are_valid_and_say_how_to_run_them(name):
     ["training.epochs=1"], ["training.epochs=2"], ["training.epochs=30"],
     ["training.epochs=1", "study.pruner.name=hyperband"],
     ["training.epochs=1", "study.pruner.name=median"], ["data.cv_folds=2"],
+    ["training.epochs=1", "training.evaluations_per_epoch=4"],
 ])
 def test_a_shipped_study_stays_valid_under_the_obvious_overrides(name, overrides):
     """Overriding a setting never makes a shipped file invalid (a one-epoch demo was refused

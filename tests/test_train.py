@@ -9,6 +9,7 @@ import torch
 from conftest import DEMO_DATA, H100
 
 from hpo import faults
+from hpo import train as train_module
 from hpo.data.batching import Collator, encode
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.tasks import build_examples
@@ -20,7 +21,9 @@ from hpo.train import (
     NonFiniteLoss,
     Plan,
     Progress,
+    as_epochs,
     balanced_pos_weight,
+    evaluation_points,
     micro_batch_loss,
     predict,
     prepare,
@@ -89,7 +92,7 @@ def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     epochs, steps = [], []
     progress = train(
         model, data, p, device, pad_id=tokenizer.pad_token_id,
-        evaluate=lambda m: 0.5, on_epoch=lambda e, s: epochs.append((e, s)),
+        evaluate=lambda m: 0.5, on_evaluation=lambda e, s: epochs.append((e, s)),
         on_step=lambda pr: steps.append(pr.step),
     )
     assert epochs == [(1, 0.5), (2, 0.5)]
@@ -104,6 +107,55 @@ def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     assert progress.model_flops >= 6 * flops.trained * progress.real_tokens > 0
     assert progress.flops_per_second == progress.model_flops / progress.step_seconds
     assert progress.mfu is None  # no known peak for a CPU
+
+
+@pytest.mark.parametrize(("steps", "per_epoch", "points"), [
+    (5, 1, [5]), (5, 2, [3, 5]), (6, 3, [2, 4, 6]), (7, 4, [2, 4, 6, 7]), (1, 2, [1, 1]),
+])
+def test_evaluations_are_spread_evenly_over_an_epoch_the_last_at_its_end(steps, per_epoch,
+                                                                          points):
+    assert evaluation_points(steps, per_epoch) == points
+
+
+@pytest.mark.parametrize(("evaluation", "per_epoch", "epochs"), [
+    (1, 1, 1), (3, 1, 3), (1, 2, 0.5), (3, 2, 1.5), (4, 2, 2), (1, 3, 0.333),
+])
+def test_an_evaluation_is_named_in_epochs(evaluation, per_epoch, epochs):
+    assert as_epochs(evaluation, per_epoch) == epochs
+    assert isinstance(as_epochs(evaluation, per_epoch), int) is (evaluation % per_epoch == 0)
+
+
+def test_evaluations_inside_epochs_report_each_and_stop_after_ends_the_schedule_there(
+        setup, tiny_model, monkeypatch):
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    totals = []
+    real = train_module.get_linear_schedule_with_warmup
+
+    def schedule(optimizer, warmup, total):
+        totals.append(total)
+        return real(optimizer, warmup, total)
+
+    monkeypatch.setattr(train_module, "get_linear_schedule_with_warmup", schedule)
+    reports, steps = [], []
+    p = plan(evaluations_per_epoch=2)  # 40 posts at 8: 5 steps an epoch, scored after 3 and 5
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+                     evaluate=lambda m: 0.5, on_evaluation=lambda i, s: reports.append(i),
+                     on_step=lambda pr: steps.append((pr.epoch, pr.step)))
+    assert reports == [1, 2, 3, 4] and p.evaluations == 4
+    assert len(progress.epoch_seconds) == 4 and totals == [10]
+    assert steps[-1] == (2, 5)
+    # Stopped after its third evaluation (epoch 1.5): 8 steps, the schedule ending there.
+    reports.clear()
+    steps.clear()
+    p = plan(evaluations_per_epoch=2, stop_after=3)
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+                     evaluate=lambda m: 0.5, on_evaluation=lambda i, s: reports.append(i),
+                     on_step=lambda pr: steps.append((pr.epoch, pr.step)))
+    assert reports == [1, 2, 3] and totals[-1] == 8 and steps[-1] == (2, 3)
+    assert progress.samples == 8 * 8
 
 
 def test_mfu_is_the_achieved_rate_over_the_devices_peak_in_the_trials_precision():
@@ -130,7 +182,7 @@ def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     before = [t.clone() for t in model.parameters()]
     progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-                     evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+                     evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # The scaler's scale is recorded for fp16 (2**16 unless a step overflowed), else nothing.
     if precision == "fp16":
@@ -151,7 +203,7 @@ def test_non_finite_loss_stops_training(setup, tiny_model):
     model.classifier.register_forward_hook(lambda _m, _i, out: out * math.nan)
     with pytest.raises(NonFiniteLoss, match="loss nan at epoch 1, step 1"):
         train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-              evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+              evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
 
 
 def test_too_few_examples_for_one_step(setup, tiny_model):
@@ -161,7 +213,7 @@ def test_too_few_examples_for_one_step(setup, tiny_model):
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     with pytest.raises(ValueError, match="fewer than one effective batch of 64"):
         train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-              evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+              evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
 
 
 PREPARE_FOR_CUDA = """
@@ -204,7 +256,7 @@ def _train_once(model, setup, p):
     store, tokenizer, data = setup
     device = detect("cpu")
     train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-          evaluate=lambda m: 0.0, on_epoch=lambda e, s: None)
+          evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
     return predict(model, data, 7, device, p.precision, tokenizer.pad_token_id)
 
 

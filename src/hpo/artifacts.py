@@ -169,7 +169,7 @@ def remove_all(study: optuna.Study, storage: optuna.storages.BaseStorage,
     return removed
 
 
-def settings(trial: optuna.Trial, value: float, value_epoch: int,
+def settings(trial: optuna.Trial, value: float, value_epoch: float,
              training: dict[str, Any]) -> str:
     """What the kept model is: enough to load it and to train it again."""
     return json.dumps({

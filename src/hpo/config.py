@@ -366,6 +366,10 @@ class DataConfig(_Section):
 class TrainingConfig(_Section):
     epochs: Annotated[int, Field(ge=1)] = 3
     """Training epochs of a trial; the pruner is asked after each."""
+    evaluations_per_epoch: Annotated[int, Field(ge=1)] = 1
+    """Validation scores per epoch, evenly spaced over its steps (the last at its end), each
+    reported to the pruner, as the Trainer's `eval_steps`: a training of one or two epochs can
+    still be pruned; each costs a pass over the validation split."""
     weight_decay: Annotated[float, Field(ge=0)] = 0.01
     """AdamW's weight decay."""
     warmup_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
@@ -474,7 +478,7 @@ class StudyConfig(_Section):
                 else f"{steps} epoch{'s' * (steps != 1)}")
         return (f"  no pruning: trials report {steps} step{'s' * (steps != 1)} ({what}) "
                 f"and study.pruner ({pruner.name}) decides only before the last; more epochs "
-                f"let it prune")
+                f"or training.evaluations_per_epoch let it prune")
 
     def max_steps(self) -> int:
         """The most steps a trial reports, the pruners' resource: its folds under
@@ -484,7 +488,15 @@ class StudyConfig(_Section):
         if self.data.cv_folds is not None:
             return self.data.cv_folds
         searched = self.search_space.epochs
-        return searched.high if searched is not None else self.training.epochs
+        epochs = searched.high if searched is not None else self.training.epochs
+        return epochs * self.training.evaluations_per_epoch
+
+    @model_validator(mode="after")
+    def _evaluations(self) -> StudyConfig:
+        if self.data.cv_folds is not None and self.training.evaluations_per_epoch > 1:
+            raise ValueError("training.evaluations_per_epoch: a cross-validated trial "
+                             "(data.cv_folds) reports once per fold; leave it at 1")
+        return self
 
     @model_validator(mode="after")
     def _device(self) -> StudyConfig:

@@ -28,18 +28,18 @@ from hpo.data.batching import Encoded
 from hpo.models import ModelStore
 from hpo.planning import PlannedTrial
 from hpo.resources import Resources
-from hpo.train import Plan, Progress, loss_pos_weight, predict, prepare, train
+from hpo.train import Plan, Progress, as_epochs, loss_pos_weight, predict, prepare, train
 
 
 @dataclass(frozen=True)
 class Trained:
     """What a driver trained: the trial's value and, for a single model, the model holding
-    the weights of `epoch` (1-based): the value's epoch where `BestEpoch` kept it, else the
-    last."""
+    the weights of `epoch` (1-based, `as_epochs`): the value's evaluation where `BestEpoch`
+    kept it, else the last."""
 
     value: float
     model: torch.nn.Module | None = None
-    epoch: int = 0
+    epoch: float = 0  # in epochs: 1.5 is the middle of the second under evaluations_per_epoch
 
 
 def scorer(resources: Resources, plan: Plan, data: Encoded, gold: torch.Tensor, pad_id: int,
@@ -60,17 +60,17 @@ def scorer(resources: Resources, plan: Plan, data: Encoded, gold: torch.Tensor, 
 
 
 class BestEpoch:
-    """The weights of the epoch a run's value comes from (`study.objective_epoch`), copied
-    to the host after each epoch that is the chosen one so far, unless it is the last: the
-    last epoch's weights are the model's own when training ends."""
+    """The weights of the evaluation a run's value comes from (`study.objective_epoch`),
+    copied to the host after each evaluation that is the chosen one so far, unless it is the
+    last: the last one's weights are the model's own when training ends."""
 
-    def __init__(self, model: torch.nn.Module, rule: str, epochs: int) -> None:
-        self._model, self._rule, self._epochs = model, rule, epochs
+    def __init__(self, model: torch.nn.Module, rule: str, evaluations: int) -> None:
+        self._model, self._rule, self._evaluations = model, rule, evaluations
         self._state: dict[str, torch.Tensor] = {}
 
-    def after_epoch(self, epoch: int, values: list[float]) -> None:
-        if (self._rule == "best" and epoch < self._epochs
-                and metrics.chosen_epoch(values, self._rule) == epoch - 1):
+    def after_evaluation(self, index: int, values: list[float]) -> None:
+        if (self._rule == "best" and index < self._evaluations
+                and metrics.chosen_epoch(values, self._rule) == index - 1):
             self._state = {k: v.detach().to("cpu", copy=True)
                            for k, v in self._model.state_dict().items()}
 
@@ -85,35 +85,36 @@ class BestEpoch:
 def fit(models: ModelStore, model_name: str, training: TrainingConfig, plan: Plan,
         resources: Resources, data: Encoded, pad_id: int,
         evaluate: Callable[[torch.nn.Module], float], scores: list[metrics.Scores], *,
-        snapshot: bool, on_epoch: Callable[[int, float], None],
+        snapshot: bool, on_evaluation: Callable[[int, float], None],
         on_step: Callable[[Progress], None],
         on_built: Callable[[torch.nn.Module, torch.nn.Module, float], None] | None = None,
         ) -> tuple[torch.nn.Module, int]:
     """Train a fresh `model_name` from `models` on `data`, calling `evaluate` (which appends
-    to `scores`) after each epoch. `on_built` hears the built model, the one prepared for
-    the device (compiled, perhaps) and the seconds both took. Returns the built model and the
-    epoch (1-based) whose weights it holds: with `snapshot`, the one the study's rule
-    (`study.objective_epoch`) chooses by `scores`, else the last."""
+    to `scores`) at each evaluation (each epoch's end, more under evaluations_per_epoch).
+    `on_built` hears the built model, the one prepared for the device (compiled, perhaps)
+    and the seconds both took. Returns the built model and the evaluation (1-based) whose
+    weights it holds: with `snapshot`, the one the study's rule (`study.objective_epoch`)
+    chooses by `scores`, else the last."""
     began = time.perf_counter()
     base = adapters.build(models, model_name, data.labels.shape[1], training, plan.precision)
     model = prepare(base, plan, resources.device)
     if on_built is not None:
         on_built(base, model, time.perf_counter() - began)
     objective = resources.config.study.objective
-    best = (BestEpoch(base, resources.config.study.objective_epoch, plan.epochs) if snapshot
-            else None)
+    best = (BestEpoch(base, resources.config.study.objective_epoch, plan.evaluations)
+            if snapshot else None)
 
-    def epoch_done(epoch: int, score: float) -> None:
+    def evaluated(index: int, score: float) -> None:
         if best is not None:
-            best.after_epoch(epoch, [s.get(objective) for s in scores])
-        on_epoch(epoch, score)
+            best.after_evaluation(index, [s.get(objective) for s in scores])
+        on_evaluation(index, score)
 
     train(model, data, plan, resources.device, pad_id=pad_id, evaluate=evaluate,
-          on_epoch=epoch_done, on_step=on_step,
+          on_evaluation=evaluated, on_step=on_step,
           pos_weight=loss_pos_weight(training.pos_weight, data.labels))
     del model
     if best is None:
-        return base, plan.epochs
+        return base, plan.evaluations
     return base, best.restore([s.get(objective) for s in scores]) + 1
 
 
@@ -144,11 +145,12 @@ def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resourc
         prepared.append(model)
         warned = records.warn_eager(context.trial.number, model, reporter, None)
 
-    def on_epoch(epoch: int, score: float) -> None:
+    def on_evaluation(index: int, score: float) -> None:
+        epoch = as_epochs(index, plan.evaluations_per_epoch)
         reporter.epoch(context.trial.number, epoch, plan.epochs, score)
-        context.write(lambda trial: trial.report(value(), epoch))
-        # After the last epoch the compute is spent: the result is kept, not pruned.
-        if epoch < plan.epochs and context.trial.should_prune():
+        context.write(lambda trial: trial.report(value(), index))
+        # After the last evaluation the compute is spent: the result is kept, not pruned.
+        if index < plan.evaluations and context.trial.should_prune():
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
 
     def on_step(latest: Progress) -> None:
@@ -159,14 +161,15 @@ def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resourc
     try:
         model, epoch = fit(resources.models, planned.params.model_name, planned.training,
                            plan, resources, planned.train_data, planned.pad_id, evaluate,
-                           scores, snapshot=resources.keeper is not None, on_epoch=on_epoch,
-                           on_step=on_step, on_built=on_built)
+                           scores, snapshot=resources.keeper is not None,
+                           on_evaluation=on_evaluation, on_step=on_step, on_built=on_built)
     finally:
         if prepared:
             records.warn_eager(context.trial.number, prepared[0], reporter, warned)
             context.write(lambda trial: records.record_progress(
-                trial, progress, scores, objective, rule, prepared[0]))
-    return Trained(value(), model, epoch)
+                trial, progress, scores, objective, rule, prepared[0],
+                per_epoch=plan.evaluations_per_epoch))
+    return Trained(value(), model, as_epochs(epoch, plan.evaluations_per_epoch))
 
 
 def _report(trial: optuna.Trial, value: float, step: int) -> None:
@@ -210,8 +213,8 @@ def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resourc
                 fold.train, planned.pad_id,
                 scorer(resources, plan, fold.validation, fold.gold, planned.pad_id, scores),
                 scores, snapshot=False,
-                on_epoch=lambda epoch, score: reporter.epoch(context.trial.number, epoch,
-                                                             plan.epochs, score),
+                on_evaluation=lambda epoch, score: reporter.epoch(context.trial.number, epoch,
+                                                                  plan.epochs, score),
                 on_step=on_step, on_built=on_built)
             compile_failure = compile_failure or records.warn_eager(
                 context.trial.number, built[0], reporter, compile_failure)

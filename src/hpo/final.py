@@ -44,7 +44,7 @@ from hpo.report import ConsoleReporter as Reporter
 from hpo.resources import Resources
 from hpo.space import Params
 from hpo.study import StudyBatchCache
-from hpo.train import Plan, predict
+from hpo.train import Plan, as_epochs, predict
 
 SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate",
             ADAPTER_RATE)
@@ -58,7 +58,9 @@ class Recipe:
     value: float
     params: Params
     training: TrainingConfig
-    value_epoch: int  # the epoch the trial's value came from (1-based)
+    # The epoch the trial's value came from (1-based; a fraction such as 1.5 where it came
+    # from an evaluation inside an epoch, under training.evaluations_per_epoch).
+    value_epoch: float
 
 
 def recipe(study: optuna.Study, number: int | None, defaults: TrainingConfig) -> Recipe:
@@ -83,7 +85,7 @@ def recipe(study: optuna.Study, number: int | None, defaults: TrainingConfig) ->
         params=Params(params["model_name"], params["fp_precision"],
                       int(params["target_effective_batch_size"]), float(rate), extras),
         training=training,
-        value_epoch=int(trial.user_attrs.get("value_epoch", training.epochs)),
+        value_epoch=float(trial.user_attrs.get("value_epoch", training.epochs)),
     )
 
 
@@ -109,8 +111,8 @@ class Run:
     """One seed's training run, scored with its own weights in float32, as exported."""
 
     seed: int
-    epochs_trained: int
-    kept_epoch: int
+    epochs_trained: float
+    kept_epoch: float  # in epochs (`train.as_epochs`)
     # The objective on the validation split at the kept epoch, scored as the search scored
     # its trials (in the trial's precision, threshold 0.5); None with --refit.
     validation: float | None
@@ -160,8 +162,10 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
     an epoch on. On a device other processes hold memory of, the batch is searched for what
     is left, as a worker's is (`planning.fit_batch`), and the user is told."""
     training = found.training
+    stop_after = None
     if refit and resources.config.study.objective_epoch == "best":
-        training = training.model_copy(update={"epochs": found.value_epoch})
+        training = training.model_copy(update={"epochs": math.ceil(found.value_epoch)})
+        stop_after = round(found.value_epoch * training.evaluations_per_epoch)
     shared = memory.foreign_bytes(resources.device)
     if shared:
         reporter.warning(f"{shared / 2**30:.1f} GiB of {resources.device.describe()} is held "
@@ -171,7 +175,7 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
                          f"of its own (CUDA_VISIBLE_DEVICES)")
     plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
                                 num_labels, resources, cache, shared=shared)
-    return plan, probes
+    return replace(plan, stop_after=stop_after), probes
 
 
 def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold: torch.Tensor,
@@ -189,14 +193,15 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     evaluate = ((lambda _model: math.nan) if refit
                 else scorer(resources, plan, data.validation, gold, data.pad_id, scores))
     # A store of its own: each seed's initial weights are needed once.
-    model, kept_epoch = fit(ModelStore(), found.params.model_name,
+    model, kept = fit(ModelStore(), found.params.model_name,
                             found.training.model_copy(update={"seed": seed}), plan, resources,
                             data.train, data.pad_id, evaluate, scores, snapshot=not refit,
-                            on_epoch=lambda epoch, score: reporter.epoch(label, epoch,
-                                                                         plan.epochs, score),
+                            on_evaluation=lambda index, score: reporter.epoch(
+                                label, as_epochs(index, plan.evaluations_per_epoch),
+                                plan.epochs, score),
                             on_step=lambda p: reporter.step(label, p, plan.epochs),
                             on_built=lambda *_: reporter.run_started(label, plan))
-    kept_score = None if refit else scores[kept_epoch - 1].get(objective)
+    kept_score = None if refit else scores[kept - 1].get(objective)
     # Adapters folded into the body, all in float32: the model as it is exported.
     model = adapters.merged(model)
     model.eval()
@@ -204,7 +209,9 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,
                                              "none", data.pad_id))
     test = predict(model, data.test, plan.eval_batch, device, "none", data.pad_id)
-    return Run(seed, plan.epochs, kept_epoch, kept_score, validation, test), model
+    per_epoch = plan.evaluations_per_epoch
+    return Run(seed, as_epochs(plan.evaluations, per_epoch), as_epochs(kept, per_epoch),
+               kept_score, validation, test), model
 
 
 @dataclass(frozen=True)

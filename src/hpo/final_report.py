@@ -30,8 +30,8 @@ class Spread:
 @dataclass(frozen=True)
 class SeedRun:
     seed: int
-    epoch: int  # the epoch kept (1-based)
-    epochs: int  # the epochs trained
+    epoch: float  # the epoch kept (1-based; 1.5: an evaluation inside the second)
+    epochs: float  # the epochs trained
     validation: float | None  # the objective at the kept epoch; None with --refit
     test: F1
     test_at_half: F1

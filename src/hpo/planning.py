@@ -97,6 +97,7 @@ def base_plan(params: Params, training: TrainingConfig) -> Plan:
         max_grad_norm=training.max_grad_norm,
         epochs=training.epochs,
         seed=training.seed,
+        evaluations_per_epoch=training.evaluations_per_epoch,
         gradient_checkpointing=training.gradient_checkpointing,
         compile=training.compile,
     )

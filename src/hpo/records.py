@@ -25,7 +25,7 @@ from hpo.models import config_of
 from hpo.outcome import Outcome
 from hpo.planning import PlannedTrial
 from hpo.resources import Resources
-from hpo.train import CompiledOrEager, Progress
+from hpo.train import CompiledOrEager, Progress, as_epochs
 
 
 class Warner(Protocol):
@@ -124,7 +124,7 @@ def record_folds(trial: optuna.Trial, scores: list[float], value_epochs: list[in
 
 def record_progress(trial: optuna.Trial, progress: Progress | None,
                     scores: list[metrics.Scores], objective: str, rule: str,
-                    model: torch.nn.Module) -> None:
+                    model: torch.nn.Module, *, per_epoch: int = 1) -> None:
     if isinstance(model, CompiledOrEager):
         record_compiled(trial, model.failure)
     if progress is not None:
@@ -132,12 +132,12 @@ def record_progress(trial: optuna.Trial, progress: Progress | None,
         trial.set_user_attr("train_seconds", round(progress.train_seconds, 3))
         trial.set_user_attr("eval_seconds", round(progress.eval_seconds, 3))
         trial.set_user_attr("epoch_seconds", [round(s, 3) for s in progress.epoch_seconds])
-        trial.set_user_attr("epochs_completed", len(scores))
+        trial.set_user_attr("epochs_completed", len(scores) // per_epoch)
     if scores:
         values = [s.get(objective) for s in scores]
         chosen = metrics.chosen_epoch(values, rule)
-        # The scores of the epoch the value comes from, and every epoch's objective.
-        trial.set_user_attr("value_epoch", chosen + 1)
+        # The scores of the evaluation the value comes from, and every evaluation's objective.
+        trial.set_user_attr("value_epoch", as_epochs(chosen + 1, per_epoch))
         trial.set_user_attr("epoch_scores", [round(v, 4) for v in values])
         trial.set_user_attr("macro_f1", round(scores[chosen].macro_f1, 4))
         trial.set_user_attr("micro_f1", round(scores[chosen].micro_f1, 4))
@@ -174,7 +174,7 @@ def record_stopped(trial: optuna.Trial, error: str | None, *, interrupted: bool)
 
 
 def keep(context: TrialContext, planned: PlannedTrial, resources: Resources,
-         keeper: artifacts.Keeper, model: torch.nn.Module, value: float, epoch: int) -> None:
+         keeper: artifacts.Keeper, model: torch.nn.Module, value: float, epoch: float) -> None:
     """Keep the trial's model if it ranks in the study's best; a failure to keep it is a
     warning and an attribute, never the trial's failure."""
     data = resources.config.data

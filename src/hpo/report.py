@@ -93,7 +93,7 @@ class ConsoleReporter:
                 speed=f"{progress.samples_per_second:.0f} samples/s",
             )
 
-    def epoch(self, number: int | str, epoch: int, epochs: int, score: float) -> None:
+    def epoch(self, number: int | str, epoch: float, epochs: int, score: float) -> None:
         """`number`: a trial's, or the label of a run outside a trial."""
         label = f"trial {number}" if isinstance(number, int) else number
         self.console.print(f"  {label} epoch {epoch}/{epochs}: score {score:.4f}")

@@ -45,10 +45,34 @@ class Plan:
     seed: int
     gradient_checkpointing: bool = False
     compile: bool = False
+    # Validation scores per epoch, evenly spaced over its optimizer steps (the last at its end).
+    evaluations_per_epoch: int = 1
+    # Training ends after this many evaluations, its schedule with it (hpo final's refit to
+    # the evaluation a trial's value came from); None: after every epoch's.
+    stop_after: int | None = None
 
     @property
     def grad_accum_steps(self) -> int:
         return math.ceil(self.effective_batch / self.physical_batch)
+
+    @property
+    def evaluations(self) -> int:
+        """The evaluations a run makes: the steps it reports to the pruner."""
+        return self.stop_after or self.epochs * self.evaluations_per_epoch
+
+
+def as_epochs(evaluation: int, per_epoch: int) -> int | float:
+    """An evaluation's 1-based index in epochs: whole where it ends an epoch (always with one
+    evaluation per epoch), else a fraction (1.5: the middle of the second epoch)."""
+    whole, part = divmod(evaluation, per_epoch)
+    return whole if part == 0 else round(evaluation / per_epoch, 3)
+
+
+def evaluation_points(steps_per_epoch: int, per_epoch: int) -> list[int]:
+    """After which optimizer step of an epoch (1-based) each of its `per_epoch` evaluations
+    comes: evenly spaced, the last at the epoch's end. An epoch of fewer steps than
+    evaluations scores some points twice in name only: one evaluation serves them all."""
+    return [math.ceil(k * steps_per_epoch / per_epoch) for k in range(1, per_epoch + 1)]
 
 
 @dataclass
@@ -312,23 +336,21 @@ def train(
     *,
     pad_id: int,
     evaluate: Callable[[torch.nn.Module], float],
-    on_epoch: Callable[[int, float], None],
+    on_evaluation: Callable[[int, float], None],
     on_step: Callable[[Progress], None] = lambda _: None,
     pos_weight: torch.Tensor | None = None,
 ) -> Progress:
-    """Train for `plan.epochs`; after each epoch `evaluate` scores the model and `on_epoch`
-    hears the score (and may raise optuna.TrialPruned to stop)."""
+    """Train for `plan.epochs` (or up to its `stop_after`-th evaluation); at each evaluation
+    point (`evaluation_points`) `evaluate` scores the model and `on_evaluation` hears its
+    1-based index and the score (and may raise optuna.TrialPruned to stop)."""
     torch.manual_seed(plan.seed)
     optimizer = make_optimizer(model, plan, device)
     scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
     lengths = train_data.lengths
-    steps_per_epoch = len(lengths) // plan.effective_batch
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the training split has {len(lengths)} examples, fewer than one effective batch "
-            f"of {plan.effective_batch}"
-        )
-    total_steps = steps_per_epoch * plan.epochs
+    steps_per_epoch = _steps_per_epoch(len(lengths), plan)
+    points = evaluation_points(steps_per_epoch, plan.evaluations_per_epoch)
+    last, into = divmod(plan.evaluations - 1, plan.evaluations_per_epoch)
+    total_steps = steps_per_epoch * last + points[into]
     scheduler = get_linear_schedule_with_warmup(
         optimizer, round(plan.warmup_ratio * total_steps), total_steps
     )
@@ -340,8 +362,8 @@ def train(
     non_blocking = device.type == "cuda"
     if pos_weight is not None:
         pos_weight = pos_weight.to(device.torch_device)
-    optimizer_steps = 0
-    for epoch in range(1, plan.epochs + 1):
+    optimizer_steps = evaluations = 0
+    for epoch in range(1, last + 2):
         progress.epoch, progress.step = epoch, 0
         steps = training_steps(
             lengths, plan.effective_batch, plan.physical_batch, seed=plan.seed, epoch=epoch
@@ -362,9 +384,7 @@ def train(
                     loss = micro_batch_loss(model, batch, plan.effective_batch, pos_weight)
                 scaler.scale(loss).backward()
                 running += loss.detach()
-            step_loss = float(running)  # the one host sync of an optimizer step
-            if not math.isfinite(step_loss):
-                raise NonFiniteLoss(f"loss {step_loss} at epoch {epoch}, step {progress.step + 1}")
+            _check_finite(float(running), epoch, progress.step + 1)  # the step's one sync
             optimizer_steps += 1
             faults.before_optimizer_step(optimizer_steps)
             optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
@@ -374,14 +394,46 @@ def train(
             progress.step_seconds += time.perf_counter() - started
             started = time.perf_counter()
             on_step(progress)
-        if scaler.is_enabled():
-            progress.grad_scale = scaler.get_scale()
-        began_eval = time.perf_counter()
-        score = evaluate(model)
-        progress.eval_seconds += time.perf_counter() - began_eval
-        progress.epoch_seconds.append(progress.train_seconds - sum(progress.epoch_seconds))
-        on_epoch(epoch, score)
+            due = points.count(progress.step)
+            if not due:
+                continue
+            score = _evaluate(model, evaluate, progress, scaler)
+            for repeat in range(min(due, plan.evaluations - evaluations)):
+                evaluations += 1
+                if repeat:  # one evaluation serving two points: the second took no time
+                    progress.epoch_seconds.append(0.0)
+                on_evaluation(evaluations, score)
+            if evaluations == plan.evaluations:
+                return progress
+            started = time.perf_counter()
     return progress
+
+
+def _check_finite(loss: float, epoch: int, step: int) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"loss {loss} at epoch {epoch}, step {step}")
+
+
+def _steps_per_epoch(examples: int, plan: Plan) -> int:
+    steps = examples // plan.effective_batch
+    if steps == 0:
+        raise ValueError(f"the training split has {examples} examples, fewer than one "
+                         f"effective batch of {plan.effective_batch}")
+    return steps
+
+
+def _evaluate(model: torch.nn.Module, evaluate: Callable[[torch.nn.Module], float],
+              progress: Progress, scaler: torch.amp.GradScaler) -> float:
+    """`evaluate`'s score, its seconds counted, and the training and evaluation seconds since
+    the last evaluation appended to `progress.epoch_seconds` (one entry per report); the
+    scaler's scale so far recorded."""
+    if scaler.is_enabled():
+        progress.grad_scale = scaler.get_scale()
+    began = time.perf_counter()
+    score = evaluate(model)
+    progress.eval_seconds += time.perf_counter() - began
+    progress.epoch_seconds.append(progress.train_seconds - sum(progress.epoch_seconds))
+    return score
 
 
 @torch.inference_mode()
