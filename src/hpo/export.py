@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import AutoTokenizer
 
 from hpo import adapters
@@ -56,7 +57,7 @@ def write(directory: Path, model: torch.nn.Module, report: FinalReport,
         save_model(partial, model, report.model_name, label_names, task=report.data.task,
                    max_length=report.data.max_length, thresholds=report.exported.thresholds)
         (partial / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        (partial / CARD).write_text(model_card(report))
+        model_card(report).save(partial / CARD)
         modes_like(partial, partial / REPORT)
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)
@@ -112,28 +113,73 @@ def _adapters(training: dict[str, Any], precision: str) -> str:
             f"weights, the head trained whole; ")
 
 
-def model_card(report: FinalReport) -> str:
+def model_card(report: FinalReport) -> ModelCard:
     """The exported model's README.md: what it is and how to use it, its data and training,
-    its test scores and its limits."""
-    return _card_use(report) + _card_training(report) + _card_scores(report)
+    its test scores and its limits, under the metadata the Hub reads (model-index included)."""
+    body = _card_use(report) + _card_training(report) + _card_scores(report)
+    # The way huggingface_hub's guide builds a card from a string: ModelCard parses the header
+    # back, so a model-index it cannot read fails the export, not a later upload. The keys in
+    # the order cards had before model-index (which huggingface_hub always puts last).
+    header = _card_data(report).to_yaml(original_order=[
+        "library_name", "pipeline_tag", "base_model", "tags", "model_name", "eval_results"])
+    return ModelCard(f"---\n{header}\n---\n\n{body}")
+
+
+def _card_data(report: FinalReport) -> ModelCardData:
+    model_name = report.model_name
+    return ModelCardData(
+        library_name="transformers", pipeline_tag="text-classification",
+        # The Hub links base_model to a model page: only a hub id has one.
+        base_model=None if local_path(model_name).exists() else model_name,
+        tags=["hpo", "multi-label-classification", "redsm5"],
+        model_name=f"{report.study} trial {report.trial} seed {report.exported.seed}",
+        eval_results=_eval_results(report))
+
+
+def _eval_results(report: FinalReport) -> list[EvalResult]:
+    """The exported model's test F1s for the Hub's model-index: the objective first, each
+    followed by the bounds of its 95% interval.
+
+    The model-index schema has no field for an interval: `metric_value` may be a string such
+    as "0.52 ± 0.04", but the Hub's leaderboards and widgets read numbers, and `config`,
+    `args` and `verified` mean a metric's load/compute settings and the Hub's own evaluation.
+    So each bound is an F1 result of its own, told apart by its name."""
+    data, exported = report.data, report.exported
+    # No `datasets:` and no Hub dataset id: data.dir is a local directory in ReDSM5's format
+    # (the demo's posts are synthetic), and only its name says which one was used.
+    common: dict[str, Any] = dict(
+        task_type="text-classification", task_name=_TASK_NAMES[data.task],
+        dataset_type=local_path(data.dir).resolve().name or "local",
+        # hpo's own split (by post, data.split_seed), not one load_dataset names: the body
+        # says how it was made.
+        dataset_name=f"ReDSM5-format posts in {data.dir}", dataset_split="test")
+    objectives = sorted(("macro_f1", "micro_f1"), key=lambda name: name != report.objective)
+    results: list[EvalResult] = []
+    for objective in objectives:
+        average = objective.removesuffix("_f1")
+        label = f"Test {average}-F1"
+        metric = dict(common, metric_type="f1", metric_args={"average": average})
+        low, high = exported.test_interval_95[objective]
+        results += [
+            EvalResult(**metric, metric_value=float(exported.test.get(objective)),
+                       metric_name=f"{label} (at config.decision_thresholds)"),
+            *(EvalResult(**metric, metric_value=float(value),
+                         metric_name=f"{label}, 95% interval {end} (bootstrap over posts)")
+              for end, value in (("low", low), ("high", high)))]
+    return results
+
+
+_TASK_NAMES = {
+    "multilabel": "Multi-label text classification",
+    "nli_pairs": "Multi-label text classification, as (post, criterion) pairs",
+}
 
 
 def _card_use(report: FinalReport) -> str:
-    model_name = report.model_name
-    base = f"base_model: {model_name}\n" if not local_path(model_name).exists() else ""
     pairs = ("" if report.data.task == "multilabel" else
              "\nInputs are (post, criterion description) pairs, one per symptom, with one "
              "yes/no output (`nli_pairs`): see hpo's `data/tasks.py` for the descriptions.\n")
-    return f"""---
-library_name: transformers
-pipeline_tag: text-classification
-{base}tags:
-- hpo
-- multi-label-classification
-- redsm5
----
-
-# {report.study}: trial {report.trial}, seed {report.exported.seed}
+    return f"""# {report.study}: trial {report.trial}, seed {report.exported.seed}
 
 A multi-label classifier of DSM-5 depression symptoms in posts, found by an hpo search
 (study `{report.study}`, trial {report.trial}) and trained again by `hpo final`. Each
