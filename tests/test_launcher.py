@@ -30,6 +30,7 @@ from hpo.launcher import (
     WorkerSpec,
     _Child,
     exit_code,
+    left_trials,
     plan,
     worst,
 )
@@ -142,10 +143,12 @@ def spec(name: str, role: str, marks) -> WorkerSpec:
     return WorkerSpec(name, {"ROLE": role, "MARKS": str(marks)}, f"as {role}")
 
 
-def launched(*roles: str, restarts: int, tmp_path) -> tuple[int, str, str, Counter]:
+def launched(*roles: str, restarts: int, tmp_path,
+             on_death=None) -> tuple[int, str, str, Counter]:
     out, err = io.StringIO(), io.StringIO()
     marks = tmp_path / "marks"
-    launcher = Launcher([sys.executable, "-c", CHILD], restarts=restarts, out=out, err=err)
+    launcher = Launcher([sys.executable, "-c", CHILD], restarts=restarts, out=out, err=err,
+                        on_death=on_death)
     code = launcher.supervise([spec(f"w{i}", role, marks) for i, role in enumerate(roles)])
     return code, out.getvalue(), err.getvalue(), Counter(marks.read_text().split())
 
@@ -162,6 +165,61 @@ def test_a_dead_worker_is_restarted(tmp_path):
     code, out, _, starts = launched("ok", "dies-once", restarts=1, tmp_path=tmp_path)
     assert code == 0 and starts == {"ok": 1, "dies-once": 2}
     assert re.search(r"^\[w1\] exited with code 137; restarted \(1 of 1\): pid \d+", out, re.M)
+
+
+def test_a_killed_workers_trial_is_failed_at_once_and_said(tmp_path):
+    deaths = []
+
+    def on_death(pid: int, how: str) -> list[tuple[int, bool]]:
+        deaths.append((pid, how))
+        return [(7, True)]
+
+    code, out, _, _ = launched("ok", "dies-once", restarts=1, tmp_path=tmp_path,
+                               on_death=on_death)
+    assert code == 0
+    killed = int(re.search(r"^\[w1\] started: pid (\d+)", out, re.M)[1])
+    assert deaths == [(killed, "killed by SIGKILL")]  # not the clean exits: they free theirs
+    assert ("[w1] killed by SIGKILL; its trial 7 failed and re-queued for the next worker"
+            in out.splitlines())
+
+
+def test_a_storage_error_in_failing_a_dead_workers_trial_leaves_it_to_the_reaper(tmp_path):
+    def on_death(pid: int, how: str) -> list[tuple[int, bool]]:
+        raise RuntimeError("the database is down")
+
+    code, out, _, starts = launched("fail", "bad", restarts=1, tmp_path=tmp_path,
+                                    on_death=on_death)
+    assert code == 1 and starts == {"fail": 2, "bad": 1}  # the launcher went on
+    assert out.count("[w0] exited with code 1; its running trial, if any, is left to the "
+                     "heartbeat reaper (after the grace period): RuntimeError: the database "
+                     "is down\n") == 2
+    assert "[w1] exited with code 2; its running trial" in out
+
+
+def test_only_a_worker_that_did_not_free_its_trial_has_it_failed():
+    assert [code for code in (0, 1, 2, 130, 137, 139, 143) if left_trials(code)] == [
+        1, 2, 137, 139]
+
+
+def test_the_launchers_reaper_uses_the_workers_study_and_its_pinned_retries(tmp_path):
+    from hpo.commands import dead_worker_trials
+    from hpo.liveness import worker_on_this_host
+    from hpo.preflight import StudyRef
+
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    study = optuna.create_study(study_name="demo", storage=url)
+    study.set_user_attr("liveness", {"heartbeat_interval": 30, "grace_period": 120,
+                                     "max_retry": 1})
+    for _ in range(2):
+        study.ask().set_user_attr("worker", worker_on_this_host(99))
+    on_death = dead_worker_trials(StudyRef(study="demo", storage=url))
+    assert on_death(99, "killed by SIGKILL") == [(0, True), (1, True)]
+    copy = study.ask()  # the next worker claims the copy, and dies in turn
+    assert copy.number == 2
+    copy.set_user_attr("worker", worker_on_this_host(100))
+    assert on_death(100, "killed by SIGKILL") == [(2, False)]  # max_retry 1: used up
+    assert study.get_trials()[0].user_attrs["error"] == (
+        f"its worker {worker_on_this_host(99)} killed by SIGKILL")
 
 
 def test_restarts_are_bounded_and_the_worst_code_is_returned(tmp_path):
@@ -255,7 +313,8 @@ def finish(parent: subprocess.Popen, lines: list[str], timeout: float) -> tuple[
 @pytest.mark.slow
 def test_two_workers_keep_the_budget_exact_and_a_killed_one_is_restarted_and_retried(pg_url):
     storage = optuna.storages.RDBStorage(pg_url)
-    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
+    # A grace period longer than the test: the launcher, not the reaper, frees the slot.
+    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "900"}
     parent = start_launcher(pg_url, 6, "--workers", "2", "--set", "training.epochs=6",
                             env=env)
     lines: list[str] = []
@@ -267,12 +326,17 @@ def test_two_workers_keep_the_budget_exact_and_a_killed_one_is_restarted_and_ret
         out, err = finish(parent, lines, 600)
     assert parent.returncode == 0, err[-3000:]
     assert re.search(r"^\[w1\] exited with code 137; restarted \(1 of 3\)", out, re.M), out
+    freed = re.search(r"^\[w1\] killed by SIGKILL; its trial (\d+) failed and re-queued for "
+                      r"the next worker$", out, re.M)
+    assert freed, out
     study = demo(storage)
     counts = Counter(t.state for t in study.trials)
     assert counts[TrialState.COMPLETE] + counts[TrialState.PRUNED] == 6
     assert counts[TrialState.RUNNING] == counts[TrialState.WAITING] == 0
     killed = [t for t in study.trials if t.state == TrialState.FAIL]
     assert len(killed) == 1 and killed[0].user_attrs["worker"].endswith(f":{victim}")
+    assert killed[0].number == int(freed[1])
+    assert killed[0].user_attrs["error"].endswith(f":{victim} killed by SIGKILL")
     retry = [t for t in study.trials if t.user_attrs.get("retry_of") == killed[0].number]
     assert len(retry) == 1 and retry[0].state in FINISHED
     storage.engine.dispose()

@@ -9,7 +9,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from hpo.liveness import LiveTrial, carry_over, heartbeat, reap
+from hpo.liveness import LiveTrial, carry_over, fail_dead_worker, heartbeat, reap
 from hpo.storage import open_storage, single_attempt
 
 # ask() without Study.optimize is how hpo's own loop claims trials too (worker._ask).
@@ -154,3 +154,54 @@ def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(ou
     reap(watched, idle, study_id)  # meets the outage in waiting for the lock
     assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
     assert not idle.trusts_heartbeats()
+
+
+def test_a_dead_workers_running_trial_fails_at_once_with_one_retry_copy(storage):
+    """What the launcher does for a worker it saw die (`hpo run --workers`): the trials the
+    worker left RUNNING fail now, each with one waiting copy; other workers' trials and its
+    finished ones are left alone, and a second call finds nothing more to do."""
+    opened = open_storage(storage, heartbeat_interval=30, grace_period=120)
+    study = optuna.create_study(study_name="d", storage=opened)
+    dead = study.ask()
+    x = dead.suggest_float("x", 0.0, 1.0)
+    dead.set_user_attr("worker", "host:123")
+    other = study.ask()
+    other.set_user_attr("worker", "host:1234")
+    done = study.ask()
+    done.set_user_attr("worker", "host:123")
+    study.tell(done, 0.5)
+    why = "its worker host:123 killed by SIGKILL"
+    assert fail_dead_worker(study, opened, "host:123", why) == [(0, True)]
+    for _ in range(2):  # again: the trial is failed already, and queued once
+        trials = study.get_trials()
+        assert [t.state for t in trials] == [TrialState.FAIL, TrialState.RUNNING,
+                                             TrialState.COMPLETE, TrialState.WAITING]
+        assert trials[0].user_attrs["error"] == why
+        copy = trials[3]
+        assert copy.params == {"x": x} and copy.system_attrs["retry_history"] == [0]
+        assert "error" not in copy.user_attrs  # the copy starts clean
+        assert fail_dead_worker(study, opened, "host:123", why) == []
+    opened.engine.dispose()
+
+
+def test_a_dead_workers_trial_whose_retries_are_used_up_is_failed_alone(storage):
+    opened = open_storage(storage, heartbeat_interval=30, grace_period=120, max_retry=0)
+    study = optuna.create_study(study_name="d", storage=opened)
+    study.ask().set_user_attr("worker", "host:7")
+    assert fail_dead_worker(study, opened, "host:7", "its worker host:7 exited with code 1") \
+        == [(0, False)]
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL]
+    opened.engine.dispose()
+
+
+def test_the_launcher_names_a_worker_as_its_trials_record_it(monkeypatch):
+    import os
+
+    from hpo import records
+    from hpo.liveness import WORKER_PID, worker_on_this_host
+
+    monkeypatch.delenv(WORKER_PID, raising=False)
+    assert worker_on_this_host(os.getpid()) == records.worker_name()
+    # A trial run in a process of its own (isolate_trials) is its worker's.
+    monkeypatch.setenv(WORKER_PID, "4188")
+    assert records.worker_name() == worker_on_this_host(4188)

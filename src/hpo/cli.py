@@ -268,7 +268,8 @@ def command_run(args: argparse.Namespace) -> int:
         try:
             return launcher.launch(args.workers, _worker_command(args, "run"),
                                    _worker_command(args, "create"),
-                                   restarts=3 if args.restarts is None else args.restarts)
+                                   restarts=3 if args.restarts is None else args.restarts,
+                                   on_death=commands.dead_worker_trials(_ref(args)))
         except launcher.LaunchError as exc:
             raise UsageError(f"run: {exc}") from None
     if args.restarts is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from hpo.preflight import (
     Prepared,
     StudyRef,
     artifact_location,
+    load_config,
     load_study,
     open_for_reading,
     prepare,
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     import optuna
 
     from hpo.space import PinnedSpace
+    from hpo.storage import ResilientRDBStorage
 
 
 def create(ref: StudyRef, *, skip_check: bool) -> None:
@@ -136,6 +139,45 @@ def run(ref: StudyRef, *, n_trials: int | None, timeout: float | None,
         timeout=timeout, run_check=not skip_check, verbose=verbose,
         next_command=study_options(ref, prepared.url),
     )
+
+
+def dead_worker_trials(ref: StudyRef) -> Callable[[int, str], list[tuple[int, bool]]]:
+    """For the launcher of `hpo run --workers`: given the pid of a worker of this host that
+    died and how, fail the trials it left RUNNING and queue their retries, as the reaper would
+    after the grace period (`liveness.fail_dead_worker`). The study and its storage are the
+    workers' own, opened on the first death: a launcher whose workers end well never opens
+    them, and a study file that does not load is the creation step's to report."""
+    opened: list[tuple[optuna.Study, ResilientRDBStorage]] = []
+    lock = threading.Lock()  # two workers may die at once
+
+    def on_death(pid: int, how: str) -> list[tuple[int, bool]]:
+        from hpo import liveness
+
+        with lock:
+            if not opened:
+                opened.append(_workers_study(ref))
+        study, storage = opened[0]
+        worker = liveness.worker_on_this_host(pid)
+        return liveness.fail_dead_worker(study, storage, worker, f"its worker {worker} {how}")
+
+    return on_death
+
+
+def _workers_study(ref: StudyRef) -> tuple[optuna.Study, ResilientRDBStorage]:
+    """The study the workers of `ref` join, on a storage that retries a trial as theirs do."""
+    import optuna
+
+    from hpo import storage
+    from hpo.study import pin_liveness
+
+    config = load_config(ref)
+    url = storage.storage_url(ref.storage, config.study.storage)
+    opened = storage.open_storage(url)
+    study = optuna.load_study(study_name=config.study.name, storage=opened)
+    # The retry count the study pinned when it was created, which every worker's reaper
+    # uses whatever its own file says.
+    pin_liveness(study, opened, config)
+    return study, opened
 
 
 def status(ref: StudyRef, fmt: str) -> None:

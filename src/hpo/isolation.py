@@ -29,7 +29,7 @@ from hpo.config import StudyConfig
 from hpo.context import TrialContext, claimed
 from hpo.executor import execute, outcome_of, tell
 from hpo.hardware import Device
-from hpo.liveness import heartbeat
+from hpo.liveness import WORKER_PID, heartbeat
 from hpo.outcome import ChildDied, Outcome, as_told
 from hpo.report import ConsoleReporter
 from hpo.resources import load_resources
@@ -121,6 +121,7 @@ def _die_with_parent(parent: int) -> None:
 def _child_main(payload: dict[str, Any], trial_id: int, params: Params, parent: int,
                 attempt: _Attempt, sender: multiprocessing.connection.Connection) -> None:
     _die_with_parent(parent)
+    os.environ[WORKER_PID] = str(parent)  # its trials are the worker's (records.worker_name)
     models.quiet_transformers()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     config = StudyConfig.model_validate(payload["config"])

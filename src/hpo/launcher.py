@@ -7,8 +7,9 @@ included, in a child of its own; then it starts the workers, each pinned to its 
 line a worker prints with the worker's name. It passes Ctrl-C and SIGTERM on to every worker
 once, and each frees its running trial for a retry as a lone worker does. It starts a worker
 that died again, up to `restarts` times per worker, but not one that exited 0 (the study
-has its budget) or 2 (bad input, which a restart would repeat). It exits with the workers'
-worst code (`worst`).
+has its budget) or 2 (bad input, which a restart would repeat). A worker that died without
+freeing its trial (killed, an error) has it failed and re-queued at once (`on_death`), not
+after the heartbeat grace period. It exits with the workers' worst code (`worst`).
 """
 
 from __future__ import annotations
@@ -21,15 +22,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
+
+from hpo.errors import one_line
 
 # Set in each worker's environment: the worker follows the launcher's death (cli.main).
 PARENT_VARIABLE = "HPO_LAUNCHER_PID"
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _PR_SET_PDEATHSIG = 1
 _POLL_SECONDS = 0.2
+
+# Fails the running trials of a worker that died, given its pid and how it ended ("killed by
+# SIGKILL"), and queues their retries: each trial's number and whether its retry was queued.
+# Built where the storage is known (commands.dead_worker_trials); it raises what that raised.
+OnDeath = Callable[[int, str], Sequence[tuple[int, bool]]]
 
 
 class LaunchError(ValueError):
@@ -87,6 +95,29 @@ def worst(codes: Sequence[int]) -> int:
     return max(codes, key=lambda code: (_SEVERITY.get(code, len(_SEVERITY)), code), default=0)
 
 
+def ended(returncode: int) -> str:
+    """How a child ended, in words: "killed by SIGKILL", "exited with code 1"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
+def left_trials(code: int) -> bool:
+    """Whether a worker that exited with `code` may have left its trial RUNNING: not when it
+    ended cleanly (0), nor on Ctrl-C or SIGTERM, where it frees its trial itself."""
+    return code not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def told(failed: Sequence[tuple[int, bool]]) -> str:
+    """What became of a dead worker's trials, as `OnDeath` returned them."""
+    return "; ".join(f"its trial {number} failed and re-queued for the next worker" if queued
+                     else f"its trial {number} failed; its retries are used up"
+                     for number, queued in failed)
+
+
 def restartable(code: int) -> bool:
     """Whether a worker that exited with `code`, unasked, is started again: not once the
     study has its budget (0), nor after bad input (2), which a restart would repeat."""
@@ -106,15 +137,17 @@ class Launcher:
     dead. `command` is the argv of one worker; `out` and `err` receive the lines."""
 
     def __init__(self, command: Sequence[str], *, restarts: int, out: IO[str] = sys.stdout,
-                 err: IO[str] = sys.stderr) -> None:
+                 err: IO[str] = sys.stderr, on_death: OnDeath | None = None) -> None:
         self.command = list(command)
         self.restarts = restarts
+        self.on_death = on_death
         self.out, self.err = out, err
         self.stopping: int | None = None  # the signal that stops the workers
         self._received: list[int] = []  # every stopping signal, in order
         self._announced = False
         self._children: list[_Child] = []
         self._readers: list[threading.Thread] = []
+        self._mourners: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def say(self, text: str, prefix: str = "hpo") -> None:
@@ -196,12 +229,39 @@ class Launcher:
                     if child.spec.name in codes or child.process.poll() is None:
                         continue
                     code = exit_code(child.process.returncode)
+                    self._mourn(child)
                     if self._restart(child, code):
                         continue
                     codes[child.spec.name] = code
+            for mourner in self._mourners:
+                mourner.join()
             self._pass_on()
         self._join()
         return worst(list(codes.values()))
+
+    def _mourn(self, child: _Child) -> None:
+        """Fail the trials a dead worker left RUNNING, in a thread of its own: the storage
+        may be slow, or out, and the loop goes on passing signals and restarting workers."""
+        returncode = child.process.returncode
+        if self.on_death is None or not left_trials(exit_code(returncode)):
+            return
+        mourner = threading.Thread(
+            target=self._fail_trials,
+            args=(child.spec.name, child.process.pid, ended(returncode), self.on_death),
+            name=f"mourn-{child.process.pid}", daemon=True)
+        mourner.start()
+        self._mourners.append(mourner)
+
+    def _fail_trials(self, name: str, pid: int, how: str, on_death: OnDeath) -> None:
+        try:
+            failed = on_death(pid, how)
+        except Exception as exc:
+            # The launcher outlives its storage's errors: the heartbeat reaper remains.
+            self.say(f"{how}; its running trial, if any, is left to the heartbeat reaper "
+                     f"(after the grace period): {one_line(exc)}", name)
+            return
+        if failed:
+            self.say(f"{how}; {told(failed)}", name)
 
     def _restart(self, child: _Child, code: int) -> bool:
         name = child.spec.name
@@ -261,13 +321,14 @@ def cores() -> int:
 
 
 def launch(count: int | None, worker_command: Sequence[str], create_command: Sequence[str],
-           *, restarts: int) -> int:
+           *, restarts: int, on_death: OnDeath | None = None) -> int:
     """Create the study once, then run `count` workers (one per GPU where None) to their end:
-    the worst exit code. Raises LaunchError for a count this host cannot run."""
+    the worst exit code. `on_death` fails the trials a dead worker left running. Raises
+    LaunchError for a count this host cannot run."""
     from hpo.hardware import visible_gpus  # torch: only once the command line is sound
 
     specs = plan(count, visible_gpus(), cores(), os.environ)
-    launcher = Launcher(worker_command, restarts=restarts)
+    launcher = Launcher(worker_command, restarts=restarts, on_death=on_death)
     # The study's creation and check run alone, on the first worker's GPU and every core.
     alone = {k: v for k, v in specs[0].env.items() if k not in THREAD_VARIABLES}
     code = launcher.run_once(WorkerSpec("create", alone, specs[0].place), create_command)

@@ -1,16 +1,18 @@
 """Whether a running trial's worker is alive, beside the storage that records it (as optuna
 keeps reaping beside its storages): the heartbeat a running trial records, the reaper that
-fails trials whose worker went silent and queues their retries, and the carry-over of a run
-that was reaped while it was in fact alive onto its retry copy.
+fails trials whose worker went silent and queues their retries, the same for the trials of a
+worker its launcher saw die, and the carry-over of a run that was reaped while it was in fact
+alive onto its retry copy.
 
-The reaper is the one place besides `executor.outcome_of` that sets a trial's state: it
-judges workers, not outcomes.
+The reapers are the one place besides `executor.outcome_of` that sets a trial's state: they
+judge workers, not outcomes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -106,6 +108,51 @@ def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> N
             continue  # it finished, or another worker reaped it first
         if retry is not None:
             retry(study, storage.get_trial(trial_id))
+
+
+# Set in a trial's own process (`training.isolate_trials`): the pid of the worker it runs for.
+WORKER_PID = "HPO_WORKER_PID"
+
+
+def worker_on_this_host(pid: int) -> str:
+    """The name the trials of the process `pid` of this host record as their "worker"
+    (records.worker_name, in that process)."""
+    return f"{socket.gethostname()}:{pid}"
+
+
+def fail_dead_worker(study: optuna.Study, storage: ResilientRDBStorage, worker: str,
+                     why: str) -> list[tuple[int, bool]]:
+    """Fail at once the RUNNING trials of `worker` (its "host:pid"), which whoever started
+    it saw die, and queue their retries as the reaper does, rather than leave them to the
+    reaper for a grace period. Each is failed with `why` as its error. Returns the number of
+    each trial failed and whether a retry copy was queued (none once its retries are used up).
+    Under the study lock, for the reaper's reason: a second copy would overshoot the budget.
+    A trial that finished or was reaped meanwhile is left alone."""
+    study_id = storage.get_study_id_from_name(study.study_name)
+    with budget.study_lock(storage.engine, study.study_name):
+        running = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+        failed = []
+        for trial in running:
+            if trial.user_attrs.get("worker") != worker:
+                continue
+            try:
+                # The reason before the state: a finished trial takes no attribute. Its copy
+                # is made from `trial`, read before, so it does not inherit the reason.
+                storage.set_trial_user_attr(trial._trial_id, "error", why)
+                if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # it finished, or a reaper failed it first
+            retry = storage.get_heartbeat_stale_trial_callback()
+            if retry is not None:
+                retry(study, trial)
+            failed.append((trial.number, _requeued(storage, study_id, trial.number)))
+    return failed
+
+
+def _requeued(storage: ResilientRDBStorage, study_id: int, number: int) -> bool:
+    waiting = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
+    return any(t.system_attrs.get("retry_history", [None])[-1] == number for t in waiting)
 
 
 def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | None:

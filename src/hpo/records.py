@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Protocol
@@ -16,10 +15,11 @@ import optuna
 import psutil
 import torch
 
-from hpo import adapters, artifacts, export, metrics
+from hpo import adapters, artifacts, export, liveness, metrics
 from hpo.context import TrialContext
 from hpo.errors import one_line
 from hpo.hardware import fused_adamw, library_versions
+from hpo.liveness import WORKER_PID
 from hpo.memory import BatchLimit, DeviceMemory
 from hpo.models import config_of
 from hpo.outcome import Outcome
@@ -33,7 +33,9 @@ class Warner(Protocol):
 
 
 def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """The worker running this trial: this process, or the worker whose trial runs in this
+    process (`training.isolate_trials`), whose death its launcher watches for."""
+    return liveness.worker_on_this_host(int(os.environ.get(WORKER_PID, os.getpid())))
 
 
 def record_start(trial: optuna.Trial, resources: Resources) -> None:
