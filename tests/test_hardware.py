@@ -36,6 +36,51 @@ def test_cache_key_names_device_and_memory():
     assert T4.cache_key != A100.cache_key
 
 
+def test_a_share_of_a_gpu_has_its_own_memory_cache_key_and_words():
+    from dataclasses import replace
+
+    half = replace(H100, sharing=2)
+    assert half.memory_fraction == pytest.approx(0.475)
+    assert half.usable_memory == int(80 * 2**30 * 0.475)
+    assert H100.usable_memory == H100.total_memory and H100.share is None
+    # A limit found under a share is the share's, never the whole card's.
+    assert half.cache_key == "NVIDIA H100 80GB HBM3 81920MiB 1/2" != H100.cache_key
+    assert half.describe() == ("cuda (NVIDIA H100 80GB HBM3, compute 9.0, 80.0 GiB; 1/2 share: "
+                               "38.0 GiB, one of 2 workers)")
+
+
+@pytest.mark.parametrize(("value", "sharing"), [(None, 1), ("", 1), ("1", 1), ("4", 4)])
+def test_the_workers_sharing_a_gpu_come_from_the_environment(value, sharing):
+    environ = {} if value is None else {hardware.WORKERS_PER_GPU: value}
+    assert hardware.workers_per_gpu(environ) == sharing
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_a_malformed_share_is_a_one_line_error(value):
+    from hpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"HPO_WORKERS_PER_GPU must be a whole number of "
+                                          r"workers, at least 1, got "):
+        hardware.workers_per_gpu({hardware.WORKERS_PER_GPU: value})
+
+
+def test_a_shared_gpus_allocator_is_capped_at_the_workers_share(monkeypatch):
+    from dataclasses import replace
+
+    import torch
+
+    capped = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, index: capped.append((fraction, index)))
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda _p: None)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    hardware.configure_backends(H100)
+    assert capped == []
+    hardware.configure_backends(replace(H100, sharing=4, index=1))
+    assert capped == [(pytest.approx(0.95 / 4), 1)]
+
+
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx2 avx512_bf16\n")

@@ -46,13 +46,24 @@ def test_gpus_gives_each_worker_its_own_device_and_a_share_of_the_cores():
     assert specs[2].place == "GPU 2 (CUDA_VISIBLE_DEVICES=2), 4 of 16 cores"
 
 
+def test_gpus_k_puts_k_workers_on_each_gpu_each_told_its_share():
+    specs = plan(None, ["0", "1"], cores=16, environ={}, per_gpu=2)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "0", "1", "1"]
+    assert {s.env["HPO_WORKERS_PER_GPU"] for s in specs} == {"2"}
+    assert {s.env["OMP_NUM_THREADS"] for s in specs} == {"4"}
+    assert specs[3].place == "GPU 1 (CUDA_VISIBLE_DEVICES=1), 1/2 of its memory, 4 of 16 cores"
+    # One worker per GPU is told nothing: it has the whole device.
+    assert all("HPO_WORKERS_PER_GPU" not in s.env for s in plan(None, ["0"], 2, {}))
+
+
 def test_a_count_takes_the_first_gpus_and_keeps_their_names():
     specs = plan(2, ["GPU-aa", "GPU-bb", "GPU-cc"], cores=8, environ={})
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["GPU-aa", "GPU-bb"]
 
 
 def test_more_workers_than_gpus_is_refused():
-    with pytest.raises(LaunchError, match=r"--workers 5: this host shows 4 GPU\(s\)"):
+    with pytest.raises(LaunchError, match=r"--workers 5: this host shows 4 GPU\(s\).* "
+                                          r"--workers gpus:K for K workers per GPU"):
         plan(5, ["0", "1", "2", "3"], cores=8, environ={})
 
 
@@ -104,8 +115,11 @@ def test_a_worker_runs_the_same_study_budget_and_overrides_without_workers():
 
 
 def test_bad_worker_counts_are_one_line_errors(capsys):
-    for value, message in (("0", "expected a number of workers (1 or more) or 'gpus', got 0"),
-                           ("abc", "expected a number of workers or 'gpus', got 'abc'")):
+    for value, message in (
+            ("0", "expected a number of workers (1 or more), 'gpus' or 'gpus:K', got 0"),
+            ("abc", "expected a number of workers, 'gpus' or 'gpus:K', got 'abc'"),
+            ("gpus:0", "expected gpus:K, K workers per GPU (1 or more), got 'gpus:0'"),
+            ("gpus:x", "expected gpus:K, K workers per GPU (1 or more), got 'gpus:x'")):
         assert main(["run", "--study", "demo", "--n-trials", "2", "--workers", value]) == 2
         assert capsys.readouterr().err == f"hpo: error: run: argument --workers: {message}\n"
 
@@ -446,3 +460,30 @@ def test_four_mocked_gpus_get_four_workers_each_pinned_to_its_own(storage):
     assert pinned == {i: str(i) for i in range(4)}
     states = Counter(t.state for t in demo(storage).trials)
     assert states[TrialState.COMPLETE] + states[TrialState.PRUNED] == 4
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_mocked_gpu_each_sized_for_its_half(storage):
+    """`--workers gpus:2` on one GPU (mocked: it holds micro-batches of 8, so a half holds 4):
+    both workers on GPU 0, each trial sized for and recording its half, and the study's
+    batch cache holding the half's limit under the half's key, never the whole card's."""
+    parent = start_launcher(storage, 3, "--workers", "gpus:2", "--set",
+                            "search_space.target_effective_batch_size=[8]",
+                            env={"HPO_FAULT_GPUS": "1", "HPO_FAULT_OOM_ABOVE_BATCH": "8"})
+    lines: list[str] = []
+    try:
+        for index in range(2):
+            read_until(parent, rf"^\[w{index}\] started: pid \d+, GPU 0 "
+                               rf"\(CUDA_VISIBLE_DEVICES=0\), 1/2 of its memory", lines)
+    finally:
+        out, err = finish(parent, lines, 600)
+    assert parent.returncode == 0, err[-3000:]
+    study = demo(storage)
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 3
+    assert {t.user_attrs["gpu_share"] for t in finished} == {"1/2"}
+    assert {t.user_attrs["physical_batch_size"] for t in finished} <= {1, 2, 3, 4}
+    limits = {k: v for k, v in study.user_attrs.items() if k.startswith("batch_limit:")}
+    assert limits and all(key.endswith(" 1/2") for key in limits)
+    assert {v["largest_ok"] for v in limits.values()} == {4}
+

@@ -300,6 +300,27 @@ def test_memory_other_processes_hold_on_a_gpu_is_what_is_used_beyond_this_ones(m
     assert memory.foreign_bytes(CPU_AVX2) == 0
 
 
+def test_on_a_shared_gpu_only_memory_beyond_the_other_workers_shares_is_foreign(monkeypatch):
+    from dataclasses import replace
+
+    from conftest import H100
+
+    half = replace(H100, sharing=2)
+    state = {"free": 0, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _index: (state["free"], 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda _index: state["reserved"])
+    # The other worker holds its whole share (38 GiB) and both contexts 2 GiB: as asked.
+    state.update(free=80 * 2**30 - 40 * 2**30 - 10 * 2**30, reserved=10 * 2**30)
+    assert memory.foreign_bytes(half) == 0
+    # A process nobody declared holds 20 GiB more: that much is foreign, and warned of.
+    state.update(free=80 * 2**30 - 60 * 2**30 - 10 * 2**30)
+    assert memory.foreign_bytes(half) == 60 * 2**30 - int(80 * 2**30 * 0.475)
+    # The batch search sizes for the share, less what is foreign.
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda _index: None)
+    assert memory.device_memory_probe(half).capacity == int(0.95 * half.usable_memory)
+    assert memory.device_memory_probe(H100).capacity == int(0.95 * H100.total_memory)
+
+
 def test_the_memory_model_sizes_for_what_other_processes_leave(monkeypatch):
     from conftest import H100
 

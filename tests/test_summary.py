@@ -80,6 +80,26 @@ def test_status_shows_running_trials_as_a_table(tiny_study, tmp_path, capsys):
     assert [t["params"]["learning_rate"] for t in running] == [0.000123456789, 3e-5]
 
 
+def test_status_shows_each_running_trials_share_of_its_gpu_where_one_is_shared(tiny_study,
+                                                                             tmp_path, capsys):
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="maximize")
+    for worker, share in (("gpu-node-1:811", "1/2"), ("gpu-node-2:94", None)):
+        trial = study.ask()
+        trial.set_user_attr("worker", worker)
+        if share:
+            trial.set_user_attr("gpu_share", share)
+    assert main(["status", "--config", str(tiny_study), "--storage", storage]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()[1:]
+    assert header.split()[:4] == ["running", "worker", "GPU", "share"]
+    assert [row.split()[2:4] for row in rows] == [["gpu-node-1:811", "1/2"],
+                                                ["gpu-node-2:94", "whole"]]
+    assert main(["status", "--config", str(tiny_study), "--storage", storage,
+                 "--format", "json"]) == 0
+    running = json.loads(capsys.readouterr().out)["running"]
+    assert [t["gpu_share"] for t in running] == ["1/2", None]
+
+
 def finished_study(storage: str, trials: list[tuple[str, str, object, dict]]) -> optuna.Study:
     """A study of trials over models a, b and precisions bf16, none: each (model, precision,
     state, user attributes), valued 0.5 when COMPLETE."""

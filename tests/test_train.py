@@ -290,6 +290,20 @@ def test_an_out_of_memory_error_in_a_compiled_model_is_not_a_compile_failure(
         prepare(setup[0].build(str(tiny_model), 9, seed=0), plan(compile=True), detect("cpu"))
 
 
+def test_a_mocked_gpu_shared_by_k_workers_holds_a_kth_of_its_batch_in_each(
+        setup, tiny_model, monkeypatch):
+    from dataclasses import replace
+
+    from hpo.train import probe_step
+
+    monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "8")
+    half = replace(detect("cpu"), sharing=2)
+    model = prepare(setup[0].build(str(tiny_model), 9, seed=0), plan(), half)
+    probe_step(model, plan(), half, 4, 8, 100)
+    with pytest.raises(torch.OutOfMemoryError, match="micro-batch 5 > "):
+        probe_step(model, plan(), half, 5, 8, 100)
+
+
 def counting_backend(counts: dict[str, int]):
     """An autograd-aware backend that runs the captured graphs as they are and counts each
     forward and backward compilation (torch's documented custom-backend recipe, from the

@@ -56,19 +56,24 @@ _positive_int = _int_at_least(1, "a positive integer")
 _trial_number = _int_at_least(0, "a trial number")
 
 
-def _workers(text: str) -> int | None:
-    """`--workers`: a number of workers, or None for `gpus` (one per visible GPU)."""
-    if text == "gpus":
-        return None
+def _workers(text: str) -> tuple[int | None, int]:
+    """`--workers`: a number of workers and 1, or (None, K) for `gpus:K` (K per visible GPU;
+    `gpus`: one)."""
+    if text == "gpus" or text.startswith("gpus:"):
+        per_gpu = text.removeprefix("gpus").removeprefix(":") or "1"
+        if not per_gpu.isdigit() or int(per_gpu) < 1:
+            raise argparse.ArgumentTypeError(f"expected gpus:K, K workers per GPU (1 or "
+                                             f"more), got {text!r}")
+        return None, int(per_gpu)
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of workers or 'gpus', got "
-                                         f"{text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number of workers, 'gpus' or "
+                                         f"'gpus:K', got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of workers (1 or more) or "
-                                         f"'gpus', got {value}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected a number of workers (1 or more), 'gpus' "
+                                         f"or 'gpus:K', got {value}")
+    return value, 1
 
 
 def _port(text: str) -> int:
@@ -179,9 +184,11 @@ def _search_options(run: argparse.ArgumentParser, create: argparse.ArgumentParse
     run.add_argument("--verbose", action="store_true",
                      help="also say how models and tokens were loaded and the rule that "
                           "chose the precisions")
-    run.add_argument("--workers", type=_workers, default=argparse.SUPPRESS, metavar="N|gpus",
-                     help="start N workers on this host, or one per visible GPU (gpus), "
-                          "each pinned to its own GPU or share of the cores")
+    run.add_argument("--workers", type=_workers, default=argparse.SUPPRESS,
+                     metavar="N|gpus|gpus:K",
+                     help="start N workers on this host, or one per visible GPU (gpus), or "
+                          "K per GPU each with 1/K of its memory (gpus:K), each pinned to "
+                          "its GPU and a share of the cores")
     run.add_argument("--restarts", type=_int_at_least(0, "a number of restarts"), default=None,
                      help="with --workers: start a worker that died again, at most this "
                           "many times each (default 3)")
@@ -266,10 +273,12 @@ def command_run(args: argparse.Namespace) -> int:
         raise UsageError("run: give --n-trials, --timeout or both")
     if "workers" in args:
         try:
-            return launcher.launch(args.workers, _worker_command(args, "run"),
+            count, per_gpu = args.workers
+            return launcher.launch(count, _worker_command(args, "run"),
                                    _worker_command(args, "create"),
                                    restarts=3 if args.restarts is None else args.restarts,
-                                   on_death=commands.dead_worker_trials(_ref(args)))
+                                   on_death=commands.dead_worker_trials(_ref(args)),
+                                   per_gpu=per_gpu)
         except launcher.LaunchError as exc:
             raise UsageError(f"run: {exc}") from None
     if args.restarts is not None:

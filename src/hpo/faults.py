@@ -1,7 +1,9 @@
 """Fault injection, for tests only: out-of-memory errors on a machine without a GPU.
 
 HPO_FAULT_OOM_ABOVE_BATCH=N   any forward pass on a micro-batch larger than N raises
-                              torch.OutOfMemoryError, as a GPU that holds N samples would.
+                              torch.OutOfMemoryError, as a GPU that holds N samples would;
+                              N // K for one of K workers sharing it (HPO_WORKERS_PER_GPU),
+                              as their allocators' caps make it.
 HPO_FAULT_OOM_AT_STEP=K       the K-th optimizer step of each trial's training raises
                               torch.OutOfMemoryError once.
 HPO_FAULT_KILL_ABOVE_BATCH=N  any forward pass on a micro-batch larger than N kills its process
@@ -111,11 +113,14 @@ def compile_backend():
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
-def install(model: torch.nn.Module) -> None:
-    """Make `model` fail like a GPU of limited memory when HPO_FAULT_OOM_ABOVE_BATCH is set,
-    die like a process the OOM killer chose when HPO_FAULT_KILL_ABOVE_BATCH is, or predict
-    NaN when HPO_FAULT_NAN_LOSS names it."""
+def install(model: torch.nn.Module, sharing: int = 1) -> None:
+    """Make `model` fail like a GPU of limited memory when HPO_FAULT_OOM_ABOVE_BATCH is set
+    (a 1/`sharing` share of it where `sharing` workers share it), die like a process the OOM
+    killer chose when HPO_FAULT_KILL_ABOVE_BATCH is, or predict NaN when HPO_FAULT_NAN_LOSS
+    names it."""
     limit, kill_above = _int_env(OOM_ABOVE_BATCH), _int_env(KILL_ABOVE_BATCH)
+    if limit is not None:
+        limit //= sharing
     if limit is not None or kill_above is not None:
         _install_batch_faults(model, limit, kill_above)
     nan_loss = os.environ.get(NAN_LOSS, "").strip()

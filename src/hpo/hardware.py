@@ -10,6 +10,7 @@ import functools
 import os
 import platform
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from hpo import faults
 from hpo.config import PRECISIONS
+from hpo.errors import ConfigError
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
 
@@ -26,6 +28,13 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
 _AMPERE = (8, 0)
 # Pascal (6.0) and newer run fp16 natively; all CUDA cards a training job would use today do.
 _NATIVE_FP16 = (6, 0)
+
+# Set by `hpo run --workers gpus:K` in each worker (or by hand, for K workers started on one
+# GPU): K workers share the device, each with a stated share of its memory.
+WORKERS_PER_GPU = "HPO_WORKERS_PER_GPU"
+# The share of a shared device left outside the workers' allocators: their CUDA contexts and
+# libraries' modules, which no allocator cap bounds (memory.SHARED_SHARE's reason).
+CONTEXTS_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,18 @@ class Device:
     compute_capability: tuple[int, int] | None = None
     index: int | None = None
     cpu_flags: frozenset[str] = field(default=frozenset(), repr=False)
+    # Workers on this device, each given 1/sharing of it (`memory_fraction`): 1, the whole.
+    sharing: int = 1
+
+    @property
+    def memory_fraction(self) -> float:
+        """The share of the device's memory this worker's allocator may hold."""
+        return 1.0 if self.sharing == 1 else (1 - CONTEXTS_SHARE) / self.sharing
+
+    @property
+    def usable_memory(self) -> int:
+        """The bytes this worker's batches may use: the whole device, or its share."""
+        return int(self.total_memory * self.memory_fraction)
 
     @property
     def native_bf16(self) -> bool:
@@ -61,14 +82,25 @@ class Device:
 
     @property
     def cache_key(self) -> str:
-        """Name and memory: two devices with both equal hold the same batch."""
-        return f"{self.name} {self.total_memory // 2**20}MiB"
+        """Name, memory and share: two devices with all equal hold the same batch. A limit
+        found under a share is the share's, never the whole card's."""
+        share = f" 1/{self.sharing}" if self.sharing > 1 else ""
+        return f"{self.name} {self.total_memory // 2**20}MiB{share}"
+
+    @property
+    def share(self) -> str | None:
+        """This worker's share of the device in words, where it has one."""
+        if self.sharing == 1:
+            return None
+        return (f"1/{self.sharing} share: {self.usable_memory / 2**30:.1f} GiB, one of "
+                f"{self.sharing} workers")
 
     def describe(self) -> str:
         cc = f", compute {self.compute_capability[0]}.{self.compute_capability[1]}" if (
             self.compute_capability
         ) else ""
-        return f"{self.type} ({self.name}{cc}, {self.total_memory / 2**30:.1f} GiB)"
+        share = f"; {self.share}" if self.share else ""
+        return f"{self.type} ({self.name}{cc}, {self.total_memory / 2**30:.1f} GiB{share})"
 
 
 def native_precisions(device: Device) -> tuple[str, ...]:
@@ -113,12 +145,14 @@ def _cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def detect(requested: str = "auto") -> Device:
     """The device a worker trains on: `auto` takes the first visible GPU, else the CPU."""
+    sharing = workers_per_gpu()
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return Device(
             type="cpu",
             name=_cpu_name(),
             total_memory=psutil.virtual_memory().total,
             cpu_flags=read_cpu_flags(),
+            sharing=sharing,
         )
     index = 0 if requested in ("auto", "cuda") else int(requested.split(":", 1)[1])
     props = torch.cuda.get_device_properties(index)
@@ -128,7 +162,19 @@ def detect(requested: str = "auto") -> Device:
         total_memory=props.total_memory,
         compute_capability=(props.major, props.minor),
         index=index,
+        sharing=sharing,
     )
+
+
+def workers_per_gpu(environ: Mapping[str, str] = os.environ) -> int:
+    """How many workers share this worker's GPU (HPO_WORKERS_PER_GPU), 1 where unset."""
+    text = environ.get(WORKERS_PER_GPU, "").strip()
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{WORKERS_PER_GPU} must be a whole number of workers, at least 1, "
+                          f"got {text!r}")
+    return int(text)
 
 
 # NVIDIA's datasheet peaks in dense TFLOP/s (sparsity halved away) per precision: fp16 and
@@ -196,6 +242,10 @@ def configure_backends(device: Device) -> None:
     if device.type == "cpu":
         for name, value in CPU_KERNEL_CACHES.items():
             os.environ.setdefault(name, value)
+    if device.type == "cuda" and device.sharing > 1:
+        # The allocator itself refuses memory past the share: an OOM the batch search and
+        # the executor handle, not a neighbour's crash.
+        torch.cuda.set_per_process_memory_fraction(device.memory_fraction, device.index or 0)
     if device.tf32:
         torch.set_float32_matmul_precision("high")  # TF32 matmuls
         torch.backends.cudnn.allow_tf32 = True

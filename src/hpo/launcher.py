@@ -1,5 +1,5 @@
-"""`hpo run --workers N|gpus`: one command that starts N workers on this host, or one per
-visible GPU, each an ordinary `hpo run` process that joins the study.
+"""`hpo run --workers N|gpus|gpus:K`: one command that starts N workers on this host, or one
+per visible GPU, or K per GPU, each an ordinary `hpo run` process that joins the study.
 
 The rule: the launcher supervises and never trains. It creates the study once, check
 included, in a child of its own; then it starts the workers, each pinned to its own GPU
@@ -52,18 +52,25 @@ class WorkerSpec:
 
 
 def plan(count: int | None, gpus: Sequence[str], cores: int,
-         environ: Mapping[str, str]) -> list[WorkerSpec]:
-    """The workers to start: `count` of them, or one per GPU where `count` is None
-    (`--workers gpus`). `gpus` are the visible GPUs as CUDA_VISIBLE_DEVICES names them."""
+         environ: Mapping[str, str], *, per_gpu: int = 1) -> list[WorkerSpec]:
+    """The workers to start: `count` of them, or `per_gpu` per GPU where `count` is None
+    (`--workers gpus` or `gpus:K`). `gpus` are the visible GPUs as CUDA_VISIBLE_DEVICES
+    names them. Workers sharing a GPU are told so (HPO_WORKERS_PER_GPU): each sizes its
+    batches for its share of the memory, and its allocator is capped there."""
+    from hpo.hardware import WORKERS_PER_GPU
+
     if count is None:
         if not gpus:
-            raise LaunchError("--workers gpus: no GPU is visible on this host; to run "
-                              "workers on the CPU, give their number: --workers 2")
-        count = len(gpus)
-    if gpus and count > len(gpus):
+            raise LaunchError(f"--workers {_gpus_words(per_gpu)}: no GPU is visible on this "
+                              f"host; to run workers on the CPU, give their number: "
+                              f"--workers 2")
+        count = len(gpus) * per_gpu
+    if gpus and count > len(gpus) * per_gpu:
         raise LaunchError(f"--workers {count}: this host shows {len(gpus)} GPU(s), and a "
                           f"worker needs a GPU of its own (its batch search measures the "
-                          f"whole device); use --workers gpus or at most {len(gpus)}")
+                          f"whole device); use --workers gpus or at most {len(gpus)}, or "
+                          f"--workers gpus:K for K workers per GPU, each with 1/K of its "
+                          f"memory")
     # Each worker's torch threads get an equal share of the cores, unless the user set them.
     threads = str(max(1, cores // count))
     shared = {name: threads for name in THREAD_VARIABLES if name not in environ}
@@ -74,10 +81,18 @@ def plan(count: int | None, gpus: Sequence[str], cores: int,
         env = dict(shared)
         place = share
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[index]
-            place = f"GPU {gpus[index]} (CUDA_VISIBLE_DEVICES={gpus[index]}), {share}"
+            gpu = gpus[index // per_gpu]
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+            shared_by = f", 1/{per_gpu} of its memory" if per_gpu > 1 else ""
+            place = f"GPU {gpu} (CUDA_VISIBLE_DEVICES={gpu}){shared_by}, {share}"
+        if per_gpu > 1:
+            env[WORKERS_PER_GPU] = str(per_gpu)
         specs.append(WorkerSpec(f"w{index}", env, place))
     return specs
+
+
+def _gpus_words(per_gpu: int) -> str:
+    return "gpus" if per_gpu == 1 else f"gpus:{per_gpu}"
 
 
 # Exit codes from least to most severe; a code not listed (1, a signal's) is the most.
@@ -321,13 +336,14 @@ def cores() -> int:
 
 
 def launch(count: int | None, worker_command: Sequence[str], create_command: Sequence[str],
-           *, restarts: int, on_death: OnDeath | None = None) -> int:
-    """Create the study once, then run `count` workers (one per GPU where None) to their end:
-    the worst exit code. `on_death` fails the trials a dead worker left running. Raises
-    LaunchError for a count this host cannot run."""
+           *, restarts: int, on_death: OnDeath | None = None, per_gpu: int = 1) -> int:
+    """Create the study once, then run `count` workers (`per_gpu` per GPU where None) to
+    their end: the worst exit code. `on_death` fails the trials a dead worker left running.
+    Raises LaunchError for a count this host cannot run. The creation's check runs under
+    the workers' share of a GPU, so its verdicts are the ones they look up."""
     from hpo.hardware import visible_gpus  # torch: only once the command line is sound
 
-    specs = plan(count, visible_gpus(), cores(), os.environ)
+    specs = plan(count, visible_gpus(), cores(), os.environ, per_gpu=per_gpu)
     launcher = Launcher(worker_command, restarts=restarts, on_death=on_death)
     # The study's creation and check run alone, on the first worker's GPU and every core.
     alone = {k: v for k, v in specs[0].env.items() if k not in THREAD_VARIABLES}

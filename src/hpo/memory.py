@@ -167,21 +167,24 @@ SHARED_FLOOR = 5 * 2**29  # 2.5 GiB
 
 def foreign_bytes(device: Device) -> int:
     """The memory of a CUDA device held outside this process's allocator, where it is more
-    than contexts account for: another process is using the device. 0 off CUDA and on a
-    device this process has to itself. The batch search otherwise sizes for the whole
-    device."""
+    than contexts and the other workers of a shared device (`Device.sharing`, each capped at
+    its share) account for: a process nobody declared is using the device. 0 off CUDA and
+    on a device this process has to itself or shares as asked. The batch search otherwise
+    sizes for the whole device, or for this worker's share."""
     if device.type != "cuda":
         return 0
     index = device.torch_device
     free, total = torch.cuda.mem_get_info(index)
     outside = total - free - torch.cuda.memory_reserved(index)
-    return outside if outside > max(SHARED_FLOOR, SHARED_SHARE * total) else 0
+    siblings = (device.sharing - 1) * int(total * device.memory_fraction)
+    undeclared = outside - siblings
+    return undeclared if undeclared > max(SHARED_FLOOR, SHARED_SHARE * total) else 0
 
 
 def device_memory_probe(device: Device, foreign: int = 0) -> MemoryProbe | None:
     """A CUDA device's allocator reports peaks; 5% of the memory this process may use (all of
-    it, less the `foreign_bytes` held outside its allocator) is left to the allocator's own
-    fragmentation and the CUDA context."""
+    it or its share, less the `foreign_bytes` held outside its allocator) is left to the
+    allocator's own fragmentation and the CUDA context."""
     if device.type != "cuda":
         return None
     index = device.torch_device
@@ -192,7 +195,7 @@ def device_memory_probe(device: Device, foreign: int = 0) -> MemoryProbe | None:
         return value
 
     torch.cuda.reset_peak_memory_stats(index)
-    return MemoryProbe(capacity=int(0.95 * (device.total_memory - foreign)), peak=peak)
+    return MemoryProbe(capacity=int(0.95 * (device.usable_memory - foreign)), peak=peak)
 
 
 def step_memory(device: Device, step: Callable[[], object]) -> int | None:

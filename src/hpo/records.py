@@ -41,6 +41,8 @@ def worker_name() -> str:
 def record_start(trial: optuna.Trial, resources: Resources) -> None:
     trial.set_user_attr("worker", worker_name())
     trial.set_user_attr("device", resources.device.describe())
+    if resources.device.sharing > 1:  # its batches were sized for this share (hpo status)
+        trial.set_user_attr("gpu_share", f"1/{resources.device.sharing}")
     trial.set_user_attr("versions", library_versions())
 
 

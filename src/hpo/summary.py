@@ -78,6 +78,7 @@ def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[st
         running.append({
             "trial": trial.number,
             "worker": trial.user_attrs.get("worker", "?"),
+            "gpu_share": trial.user_attrs.get("gpu_share"),  # None: a GPU of its own
             "age_seconds": round((now - started).total_seconds()),
             "params": dict(trial.params),
         })
@@ -269,8 +270,10 @@ def render_status(info: dict[str, Any], fmt: str) -> str:
         lines += _compute_lines(info["compute"])
     if info["running"]:
         names = sorted({name for trial in info["running"] for name in trial["params"]})
-        rows = [["running", "worker", "for", *names]]
-        rows += [[f"trial {t['trial']}", t["worker"], f"{t['age_seconds']} s",
+        shared = any(t.get("gpu_share") for t in info["running"])
+        rows = [["running", "worker", *(["GPU share"] if shared else []), "for", *names]]
+        rows += [[f"trial {t['trial']}", t["worker"],
+                  *([t.get("gpu_share") or "whole"] if shared else []), f"{t['age_seconds']} s",
                   *(_number(t["params"].get(name, "-")) for name in names)]
                  for t in info["running"]]
         lines += _columns(rows)

@@ -137,7 +137,7 @@ def autocast(device: Device, precision: str) -> contextlib.AbstractContextManage
 
 def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Module:
     model.to(device.torch_device)
-    faults.install(model)
+    faults.install(model, device.sharing)
     if plan.gradient_checkpointing:
         # transformers 5 renamed it; older releases only know the first name. (Any: torch
         # types a module's attributes, this transformers method too, as tensors or modules.)
