@@ -335,3 +335,41 @@ def test_commands_in_process_leave_no_server_connection_open(tiny_study, pg_url,
             assert open_connections(pg_url, wait=0, collect=False) == [], argv[0]
     finally:
         gc.enable()
+
+
+def test_a_batch_of_user_attributes_is_one_commit_written_when_the_block_ends(any_storage):
+    """The records of a trial are written in a few transactions, not one an attribute (tens
+    of milliseconds each on an SQLite file). Built of Optuna's private session helper and
+    attribute setter: this fails if they change."""
+    opened = storage.open_storage(any_storage)
+    try:
+        study = optuna.create_study(study_name="s", storage=opened)
+        trial = study.ask()
+        commits = []
+        sqlalchemy.event.listen(opened.engine, "commit", lambda _conn: commits.append(1))
+        with storage.batched_user_attrs():
+            trial.set_user_attr("a", 1)
+            trial.set_user_attr("b", {"x": [1, 2]})
+            with storage.batched_user_attrs():  # nested: written with the outermost
+                trial.set_user_attr("a", 2)
+            assert commits == []
+        assert len(commits) == 1
+        assert opened.get_trial(trial._trial_id).user_attrs == {"a": 2, "b": {"x": [1, 2]}}
+        with storage.batched_user_attrs():
+            trial.set_user_attr("z", 0)
+            assert "z" not in opened.get_trial(trial._trial_id).user_attrs
+        # A block that raises still writes what it set.
+        with pytest.raises(RuntimeError), storage.batched_user_attrs():
+            trial.set_user_attr("c", 3)
+            raise RuntimeError("the trial failed")
+        assert opened.get_trial(trial._trial_id).user_attrs["c"] == 3
+        # Outside a block each attribute is written at once, as Optuna writes it.
+        trial.set_user_attr("d", 4)
+        assert opened.get_trial(trial._trial_id).user_attrs["d"] == 4
+        # A trial finished meanwhile refuses the batch, as it refuses an attribute.
+        study.tell(trial, 0.5)
+        with pytest.raises(optuna.exceptions.UpdateFinishedTrialError), \
+                storage.batched_user_attrs():
+            trial.set_user_attr("e", 5)
+    finally:
+        opened.engine.dispose()

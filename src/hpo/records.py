@@ -25,6 +25,7 @@ from hpo.models import config_of
 from hpo.outcome import Outcome
 from hpo.planning import PlannedTrial
 from hpo.resources import Resources
+from hpo.storage import batched_user_attrs
 from hpo.train import CompiledOrEager, Progress, as_epochs
 
 
@@ -38,6 +39,7 @@ def worker_name() -> str:
     return liveness.worker_on_this_host(int(os.environ.get(WORKER_PID, os.getpid())))
 
 
+@batched_user_attrs()
 def record_start(trial: optuna.Trial, resources: Resources) -> None:
     trial.set_user_attr("worker", worker_name())
     trial.set_user_attr("device", resources.device.describe())
@@ -46,6 +48,7 @@ def record_start(trial: optuna.Trial, resources: Resources) -> None:
     trial.set_user_attr("versions", library_versions())
 
 
+@batched_user_attrs()
 def record_plan(trial: optuna.Trial, planned: PlannedTrial) -> None:
     plan = planned.plan
     trial.set_user_attr("physical_batch_size", plan.physical_batch)
@@ -69,6 +72,7 @@ def record_retry(trial: optuna.Trial, retried: int) -> None:
     trial.set_user_attr("retry_of", retried)
 
 
+@batched_user_attrs()
 def record_model(trial: optuna.Trial, model: torch.nn.Module, device_type: str,
                  seconds: float) -> None:
     """What the model and optimizer got, which the family and the device decide, and the
@@ -100,6 +104,7 @@ def record_compiled(trial: optuna.Trial, failure: str | None) -> None:
         trial.set_user_attr("compile_error", failure)
 
 
+@batched_user_attrs()
 def record_speed(trial: optuna.Trial, progress: Progress) -> None:
     trial.set_user_attr("samples_per_second", round(progress.samples_per_second, 2))
     trial.set_user_attr("padding_efficiency", round(progress.padding_efficiency, 4))
@@ -112,6 +117,7 @@ def record_speed(trial: optuna.Trial, progress: Progress) -> None:
         trial.set_user_attr("grad_scale", progress.grad_scale)
 
 
+@batched_user_attrs()
 def record_folds(trial: optuna.Trial, scores: list[float], value_epochs: list[int],
                  seconds: float, progress: Progress | None, failure: str | None,
                  compiled: bool) -> None:
@@ -126,6 +132,7 @@ def record_folds(trial: optuna.Trial, scores: list[float], value_epochs: list[in
         record_compiled(trial, failure)
 
 
+@batched_user_attrs()
 def record_progress(trial: optuna.Trial, progress: Progress | None,
                     scores: list[metrics.Scores], objective: str, rule: str,
                     model: torch.nn.Module, *, per_epoch: int = 1) -> None:
@@ -148,6 +155,7 @@ def record_progress(trial: optuna.Trial, progress: Progress | None,
         trial.set_user_attr("f1_per_symptom", scores[chosen].per_label)
 
 
+@batched_user_attrs()
 def record_end(trial: optuna.Trial, outcome: Outcome, *, lowered: BatchLimit | None = None,
                failed_at: str | None = None, device_memory: DeviceMemory | None = None,
                started: float | None = None) -> None:
@@ -169,6 +177,7 @@ def record_end(trial: optuna.Trial, outcome: Outcome, *, lowered: BatchLimit | N
         trial.set_user_attr("trial_seconds", round(time.perf_counter() - started, 3))
 
 
+@batched_user_attrs()
 def record_stopped(trial: optuna.Trial, error: str | None, *, interrupted: bool) -> None:
     """A trial ended before its end: `interrupted` by Ctrl-C or SIGTERM (`hpo status` counts
     a deliberate stop apart from failures, `summary.interrupted`), or given back."""
