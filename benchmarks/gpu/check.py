@@ -2,8 +2,8 @@
 OUT/gpu.json as soon as the step ends, with its status, so a step that fails or a run cut off
 keeps what the earlier steps wrote.
 
-    python benchmarks/gpu/check.py --out OUT              # on the GPU (run.sh calls it)
-    python benchmarks/gpu/check.py --out OUT --rehearse   # here, every step on the CPU
+    python benchmarks/gpu/check.py --out OUT [--seconds 450]   # on the GPU (run.sh calls it)
+    python benchmarks/gpu/check.py --out OUT --rehearse        # here, every step on the CPU
 
 The steps: (a) `hpo hardware`; (b) full-size replicas of the redsm5 study's four models and
 `hpo check` over them at 512 tokens; (c) the batch search per model x precision against a
@@ -12,9 +12,16 @@ out-of-memory error (the process's memory capped) turned into a pruned trial, th
 on and its memory given back; (e) a study of one-epoch trials by two workers on the one GPU,
 bf16 and fp16, then `hpo final` and a plain pipeline; (f) hpo's loop against the Trainer's
 strongest set-up on bert-base at 512 tokens, with model-FLOPs utilisation against the bf16
-matrix-product rate measured in the same run. The rehearsal runs each on this CPU with tiny
-replicas of the same families and formats, the GPU's out-of-memory errors injected
-(HPO_FAULT_OOM_ABOVE_BATCH), in a few minutes.
+matrix-product rate measured in the same run; (g) `fp_precision: auto` decided by `hpo run`;
+(h) (f) at steady state, 2,000 optimizer steps a side; (i) a ReDSM5-sized study of 8 bert-base
+trials by one worker, then by K workers sharing the GPU (`--workers gpus:K`). The rehearsal
+runs each on this CPU with tiny replicas of the same families and formats, the GPU's
+out-of-memory errors injected (HPO_FAULT_OOM_ABOVE_BATCH) and one GPU mocked for
+`--workers gpus:K` (HPO_FAULT_GPUS), in a few minutes.
+
+On the GPU the steps run in STEPS' order, what the next run must show first, and a step whose
+time on an H200 (ESTIMATES) no longer fits in what is left of `--seconds` is skipped, so that
+the run's budget is never spent on a step the cut-off would kill.
 """
 
 from __future__ import annotations
@@ -57,10 +64,30 @@ class Setting:
     trials: int  # the two-worker study's budget
     precisions: tuple[str, ...]  # the study's, where both must be searched
     rehearse: bool
+    # (h): throughput.py's synthetic posts (lognormal lengths), `steady_epochs` of
+    # `steady_posts` at batch `steady_batch`: posts / batch x epochs optimizer steps a side,
+    # the first `warmup_steps` of them left out of the steady figures.
+    steady_posts: int
+    steady_epochs: int
+    steady_batch: int
+    warmup_steps: int
+    # (i): a study of `workers_trials` trials of `workers_epochs` epochs on `workers_posts`
+    # posts in the shipped sample's format, by one worker, then by `workers_per_gpu` on one GPU.
+    workers_posts: int
+    workers_epochs: int
+    workers_trials: int
+    workers_batch: int
+    workers_per_gpu: int
 
 
-GPU = Setting("cuda", 512, 256, 400, 12, ("bf16", "fp16"), rehearse=False)
-REHEARSAL = Setting("cpu", 64, 16, 120, 4, ("none",), rehearse=True)
+GPU = Setting("cuda", 512, 256, 400, 12, ("bf16", "fp16"), rehearse=False,
+              steady_posts=4000, steady_epochs=16, steady_batch=32, warmup_steps=100,
+              workers_posts=1500, workers_epochs=5, workers_trials=8, workers_batch=32,
+              workers_per_gpu=4)
+REHEARSAL = Setting("cpu", 64, 16, 120, 4, ("none",), rehearse=True,
+                    steady_posts=96, steady_epochs=2, steady_batch=16, warmup_steps=2,
+                    workers_posts=100, workers_epochs=2, workers_trials=4, workers_batch=8,
+                    workers_per_gpu=2)
 # The rehearsal's stand-in for a GPU holding 6 samples of any model.
 REHEARSAL_OOM_ABOVE = "6"
 
@@ -97,6 +124,13 @@ class Report:
         print(f"== step {name}: {status} in {result['seconds']} s"
               + "".join(f"\n   problem: {p}" for p in problems), flush=True)
         return result
+
+    def skip(self, name: str, why: str) -> None:
+        """A step not run, and why: it stays in gpu.json, so a reader sees what is missing."""
+        self.data["steps"][name] = {"status": "skipped", "seconds": 0.0, "problems": [],
+                                    "why": why}
+        self._write()
+        print(f"== step {name}: skipped ({why})", flush=True)
 
     def _write(self) -> None:
         partial = self.path.with_suffix(".partial")
@@ -215,14 +249,25 @@ def step_hardware(setting: Setting) -> dict[str, Any]:
         "device": device.describe(), "name": device.name,
         "compute_capability": device.compute_capability,
         "memory_gib": round(device.total_memory / 2**30, 1), "support": report.support,
+        # What was timed: on a GPU a base-size BERT at 8 x 512 (the small one only where
+        # that ran out of memory), each precision's median step, its peak memory and spread.
+        "shape": report.shape.describe(),
         "ms_per_step": {m.precision: round(1000 * m.step_seconds, 2)
                         for m in report.measurements},
+        "speedup_over_fp32": {m.precision: round(m.speedup, 3) for m in report.measurements},
+        "peak_mib": {m.precision: round(m.peak_memory_mb, 1) for m in report.measurements},
+        "spread": {m.precision: round(m.spread, 3) for m in report.measurements},
+        "auto_hint": None if report.by_cost is None else {
+            "kept": list(report.by_cost.kept), "dropped": report.by_cost.dropped},
         "tf32": tf32,
     }
     problems = [] if report.measurements else ["no step was timed"]
     if not setting.rehearse:
         problems += [f"{p} is not native" for p in ("bf16", "fp16")
                      if report.support[p] != "native"]
+        if report.shape != hardware_check.SHAPES["cuda"]:
+            problems.append(f"`hpo hardware` timed the {report.shape.describe()}, not the "
+                            f"base-size BERT (it ran out of memory)")
         if tf32["matmul_precision"] == "highest" or not tf32["cudnn_allow_tf32"]:
             problems.append(f"TF32 is off: {tf32}")
     return {**figures, "problems": problems}
@@ -388,7 +433,10 @@ def step_oom(work: Path, setting: Setting) -> dict[str, Any]:
                                                  "memory_after_mib", "error")}}
             for t in trials]
     problems = oom_problems(rows, setting.rehearse)
-    return {"trials": rows, "problems": problems}
+    # The three-trial criterion's figures side by side: what trial 0 (tiny), 1 (bert-base,
+    # OOM) and 2 (tiny) left allocated; 1 and 2 may not exceed 0 (None on a CPU).
+    return {"trials": rows, "memory_after_mib": [r["memory_after_mib"] for r in rows],
+            "problems": problems}
 
 
 def oom_problems(rows: list[dict[str, Any]], rehearse: bool) -> list[str]:
@@ -439,6 +487,7 @@ def step_study(work: Path, setting: Setting) -> dict[str, Any]:
                        setting)
     storage = f"sqlite:///{work / 'gpu-study.db'}"
     trace = work / "gpu-memory.csv"
+    used_before = device_used_mib(setting)
     with trace.open("w") as sink:
         sampler = None if setting.rehearse else subprocess.Popen(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory",
@@ -457,7 +506,7 @@ def step_study(work: Path, setting: Setting) -> dict[str, Any]:
              "value": t.value, **{k: t.user_attrs.get(k) for k in (
                  "physical_batch_size", "grad_accum_steps", "fused_adamw", "grad_scale",
                  "peak_memory_mib", "samples_per_second", "flops_per_second", "mfu",
-                 "trial_seconds", "worker")}}
+                 "trial_seconds", "worker", "device_shared_gib", "prune_reason")}}
             for t in trials]
     problems = [] if codes == [0, 0] else [f"worker exit codes {codes}"]
     if len(finished) != setting.trials or len(trials) != setting.trials:
@@ -475,9 +524,91 @@ def step_study(work: Path, setting: Setting) -> dict[str, Any]:
     searched = {r["precision"] for r in rows}
     if not set(setting.precisions) <= searched:
         problems.append(f"precisions searched {sorted(searched)}, not {setting.precisions}")
+    shared = shared_gpu(optuna.load_study(study_name="gpu-study", storage=storage), rows,
+                        [study.parent / f"worker{k}.log" for k in range(2)], setting)
+    problems += shared.pop("problems")
     final = _final_and_pipeline(work, study, storage)
-    return {"trials": rows, "final": final, "gpu_memory_mib": _memory_trace(trace),
+    return {"trials": rows, "shared_gpu": {"device_used_mib_before": used_before, **shared},
+            "final": final, "gpu_memory_mib": _memory_trace(trace),
             "problems": problems + final.pop("problems")}
+
+
+# planning.shared_device_warning's words: a worker found memory held outside it.
+SHARED_WARNING = "is held outside this worker"
+
+
+def shared_gpu(study: Any, rows: list[dict[str, Any]], logs: list[Path],
+               setting: Setting) -> dict[str, Any]:
+    """Step (e)'s two workers share the GPU undeclared (no `--workers gpus:2`): whether they
+    warned of it, which trials were planned beside the other's memory (`device_shared_gib`),
+    the study's cached batch limits and any put there under contention, and `oom` prunes."""
+    from hpo.hardware import detect
+    from hpo.study import StudyBatchCache
+
+    warnings = sum(log.read_text(errors="replace").count(SHARED_WARNING)
+                   for log in logs if log.exists())
+    cached = {key[len(StudyBatchCache.PREFIX):]: value
+              for key, value in study.user_attrs.items()
+              if key.startswith(StudyBatchCache.PREFIX)}
+    total_mib = detect(setting.device).total_memory / 2**20
+    contended, unjudged = contended_limits(cached, rows, total_mib)
+    figures = {
+        "warnings": warnings,
+        "shared_trials": {r["trial"]: r["device_shared_gib"] for r in rows
+                          if r.get("device_shared_gib")},
+        "cached_limits": cached,
+        "cached_under_contention": contended,
+        "unjudged_limits": unjudged,
+        "oom_prunes": [r["trial"] for r in rows if r.get("prune_reason") == "oom"],
+    }
+    problems = []
+    if not setting.rehearse and not warnings and not figures["shared_trials"]:
+        problems.append("no worker warned of the GPU's other worker (no trial recorded "
+                        "device_shared_gib)")
+    problems += [f"batch limit cached under contention: {key}: {why}"
+                 for key, why in contended.items()]
+    if figures["oom_prunes"]:
+        problems.append(f"trials pruned out of memory: {figures['oom_prunes']}")
+    return {**figures, "problems": problems}
+
+
+def contended_limits(cached: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
+                     total_mib: float) -> tuple[dict[str, str], list[str]]:
+    """The cached limits a search beside another process's memory put there: an OOM at a
+    batch that fits in 90% of the device by a completed trial of the same model and precision,
+    its peak memory scaled linearly to that batch (an overestimate: weights and optimizer
+    state do not grow with the batch, so a limit so judged is surely the neighbour's doing).
+    Returns those keys with why, and the keys with an OOM but no such trial (not judged)."""
+    contended, unjudged = {}, []
+    for key, limit in cached.items():
+        fail = limit.get("smallest_fail")
+        if fail is None:
+            continue
+        model, precision = key.split("|")[:2]
+        needs = [r["peak_memory_mib"] * fail / r["physical_batch_size"] for r in rows
+                 if r["state"] == "COMPLETE" and r["model"] == Path(model).name
+                 and r["precision"] == precision and r.get("peak_memory_mib")
+                 and r.get("physical_batch_size")]
+        if not needs:
+            unjudged.append(key)
+        elif max(needs) < 0.9 * total_mib:
+            contended[key] = (f"out of memory at {fail}, where about {max(needs):,.0f} MiB "
+                              f"of the device's {total_mib:,.0f} would do")
+    return contended, unjudged
+
+
+def device_used_mib(setting: Setting) -> float | None:
+    """The GPU's memory in use by every process (this one's context and cache included), before
+    the workers start: what they would see as another process's; None on a CPU, and where
+    this process has no CUDA context (asking would make one)."""
+    if setting.rehearse or "torch" not in sys.modules:
+        return None
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free) / 2**20, 1)
 
 
 def _memory_trace(trace: Path) -> dict[str, float]:
@@ -600,7 +731,294 @@ def step_loop(work: Path, setting: Setting) -> dict[str, Any]:
             "problems": []}
 
 
-STEPS = ("hardware", "check", "batch_search", "oom", "study", "loop", "auto")
+def step_steady(work: Path, setting: Setting) -> dict[str, Any]:
+    """(h): step (f) at steady state. The same two runs of benchmarks/throughput.py (hpo's
+    loop; the Trainer with bf16, group_by_length, fused AdamW) on bert-base at 512 tokens,
+    each `steady_posts` / `steady_batch` x `steady_epochs` optimizer steps (2,000 on the GPU),
+    timed whole and from the end of step `warmup_steps` on (the steady figures). FLOPs by
+    hpo's rule (hpo.flops: real tokens only, as a trial's `mfu`), against the bf16 8192^3
+    matrix product measured here (MFU) and the datasheet's peak where hpo knows it."""
+    from unittest import mock
+
+    import throughput
+    import torch
+    import transformers
+
+    from hpo import train as hpo_train
+    from hpo.flops import model_flops
+    from hpo.hardware import detect, peak_flops
+
+    made = models(work, setting)
+    device = detect(setting.device)
+    batch, warm = setting.steady_batch, setting.warmup_steps
+    # Whole batches only, so that the Trainer's steps (it keeps a short last batch) and
+    # hpo's (it drops it) are the same in number and in samples.
+    assert setting.steady_posts % batch == 0, "steady_posts must be a multiple of the batch"
+    expected = setting.steady_posts // batch * setting.steady_epochs
+    args = throughput.parser_for(device).parse_args([
+        "--model", str(made["bert-base-uncased"]), "--max-length", str(setting.max_length),
+        "--train", str(setting.steady_posts), "--validation", "40",
+        "--epochs", str(setting.steady_epochs), "--batch", str(batch)])
+    seen: dict[str, Any] = {}
+
+    def timed_train(model: Any, train_data: Any, plan: Any, on: Any, **kwargs: Any) -> Any:
+        """hpo.train.train, its counters read at the end of step `warm` (on_step)."""
+        lengths = torch.tensor(train_data.lengths)
+        seen["flops_per_sample"] = model_flops(model).sequences(lengths) / len(lengths)
+        steps = [0]
+
+        def on_step(progress: Any) -> None:
+            steps[0] += 1
+            if steps[0] == warm:
+                seen["ours_mark"] = (progress.step_seconds, progress.samples,
+                                     progress.model_flops)
+
+        progress = hpo_train.train(model, train_data, plan, on, on_step=on_step, **kwargs)
+        seen["ours"] = (progress.step_seconds, progress.samples, progress.model_flops, steps[0])
+        return progress
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            now = time.perf_counter()
+            if state.global_step == warm:
+                seen["trainer_mark"] = now
+            seen["trainer"] = (now, state.global_step)
+
+    class TimedTrainer(transformers.Trainer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.add_callback(Timer())
+
+    results = {}
+    with mock.patch.object(throughput, "train", timed_train), \
+            mock.patch.object(throughput, "Trainer", TimedTrainer):
+        for run in (throughput.OURS, throughput.TRAINER_GROUPED):
+            results[run] = throughput.measure(args, device, run)
+    peak = matmul_rate(setting.device, 1024 if setting.rehearse else 8192)
+    datasheet = peak_flops(device, args.precision)
+    per_sample = seen["flops_per_sample"]
+    ours_seconds, ours_samples, ours_flops, ours_steps = seen["ours"]
+    mark_seconds, mark_samples, mark_flops = seen["ours_mark"]
+    last, trainer_steps = seen["trainer"]
+    steady = {
+        throughput.OURS: (ours_steps, (ours_samples - mark_samples)
+                          / (ours_seconds - mark_seconds),
+                          (ours_flops - mark_flops) / (ours_seconds - mark_seconds)),
+        throughput.TRAINER_GROUPED: (trainer_steps, (trainer_steps - warm) * batch
+                                     / (last - seen["trainer_mark"]), None),
+    }
+    rows = {}
+    for run, result in results.items():
+        steps, rate, flops = steady[run]
+        flops = flops if flops is not None else rate * per_sample
+        rows[run] = {
+            "steps": steps, "seconds": round(result.seconds, 1),
+            "samples_per_second": round(result.samples_per_second, 2),
+            "padding_efficiency": round(result.padding_efficiency, 4),
+            "macro_f1": round(result.macro_f1, 4),
+            "mfu_whole_run": round(result.samples_per_second * per_sample / peak, 4),
+            # From the end of step `warm` to the last: the steady state.
+            "steady_samples_per_second": round(rate, 2),
+            "steady_tflops": round(flops / 1e12, 3),
+            "mfu": round(flops / peak, 4),
+            "mfu_datasheet": None if datasheet is None else round(flops / datasheet, 4),
+            # The device's work, padding included (approximately: attention's share does not
+            # scale with the padding as the matrices' does).
+            "mfu_with_padding": round(flops / peak / result.padding_efficiency, 4),
+        }
+    ours, theirs = rows[throughput.OURS], rows[throughput.TRAINER_GROUPED]
+    ratio = ours["steady_samples_per_second"] / theirs["steady_samples_per_second"]
+    judged = not setting.rehearse
+    goals = {
+        "hpo_over_trainer_at_least_1": {"value": round(ratio, 3),
+                                        "met": ratio >= 1.0 if judged else None},
+        "hpo_mfu_at_least_0.40": {"value": ours["mfu"],
+                                  "met": ours["mfu"] >= 0.40 if judged else None},
+    }
+    problems = [f"{run}: {row['steps']} optimizer steps, not {expected}"
+                for run, row in rows.items() if row["steps"] != expected]
+    problems += [f"goal {name} not met: {goal['value']}" for name, goal in goals.items()
+                 if goal["met"] is False]
+    return {"rows": rows, "hpo_over_trainer": round(ratio, 3),
+            "hpo_over_trainer_whole_run": round(
+                ours["samples_per_second"] / theirs["samples_per_second"], 3),
+            "goals": goals, "batch": batch, "posts": setting.steady_posts,
+            "epochs": setting.steady_epochs, "warmup_steps": warm,
+            "gflops_per_sample": round(per_sample / 1e9, 2),
+            "matmul_tflops": round(peak / 1e12, 2),
+            "datasheet_tflops": None if datasheet is None else round(datasheet / 1e12, 1),
+            "precision": args.precision, "problems": problems}
+
+
+WORKERS_STUDY = "workers"
+
+
+def step_workers(work: Path, setting: Setting, earlier: dict[str, Any]) -> dict[str, Any]:
+    """(i): a ReDSM5-sized study (`workers_posts` posts in the shipped sample's format, each
+    filling max_length; `workers_epochs` epochs) of `workers_trials` bert-base trials at one
+    effective batch, run by one `hpo run`, then by `hpo run --workers gpus:K` on the same
+    GPU, each from an empty storage: trials per hour, and each trial's MFU (train_flops /
+    trial_seconds) against the step's, step (h)'s steady hpo loop where it ran (else the
+    trial's own training steps). In the rehearsal one GPU is mocked (HPO_FAULT_GPUS=1) and
+    the workers train on the CPU."""
+    import optuna
+
+    made = models(work, setting)
+    data = work / "data-workers"
+    if not (data / "redsm5_annotations.csv").exists():
+        long_posts(data, setting.workers_posts, words=setting.max_length, seed=1)
+    study = study_file(work / f"{WORKERS_STUDY}.yaml", data, [made["bert-base-uncased"]],
+                       setting, search_space__fp_precision=[setting.precisions[0]],
+                       search_space__target_effective_batch_size=[setting.workers_batch],
+                       search_space__learning_rate={"low": 5.0e-6, "high": 1.0e-4,
+                                                    "log": True},
+                       training__epochs=setting.workers_epochs)
+    steady = earlier.get("steady", {})
+    ours = steady.get("rows", {}).get("hpo training loop", {})
+    step_rate = ours["steady_tflops"] * 1e12 if ours.get("steady_tflops") else None
+    peak = (steady["matmul_tflops"] * 1e12 if steady.get("matmul_tflops")
+            else matmul_rate(setting.device, 1024 if setting.rehearse else 8192))
+    k = setting.workers_per_gpu
+    runs, problems = {}, []
+    for label, extra in (("one worker", []), (f"gpus:{k}", ["--workers", f"gpus:{k}"])):
+        db = work / f"{WORKERS_STUDY}-{len(runs)}.db"
+        db.unlink(missing_ok=True)
+        storage = f"sqlite:///{db}"
+        used = device_used_mib(setting)
+        began = time.perf_counter()
+        done = hpo("run", "--config", str(study), "--storage", storage, "--n-trials",
+                   str(setting.workers_trials), "--skip-check", *extra, check=False,
+                   env={"HPO_FAULT_GPUS": "1"} if setting.rehearse and extra else None)
+        wall = time.perf_counter() - began
+        trials = optuna.load_study(study_name=WORKERS_STUDY, storage=storage).trials
+        run = workers_run(trials, wall, peak, step_rate)
+        runs[label] = {"exit_code": done.returncode, "device_used_mib_before": used, **run}
+        if done.returncode != 0:
+            problems.append(f"{label}: hpo run exited {done.returncode}")
+        states = [row["state"] for row in run["trials"]]
+        if states != ["COMPLETE"] * setting.workers_trials:
+            problems.append(f"{label}: trials ended {states}, not {setting.workers_trials} "
+                            f"COMPLETE")
+        if extra and {row["gpu_share"] for row in run["trials"]} != {f"1/{k}"}:
+            problems.append(f"{label}: trials' gpu_share "
+                            f"{sorted({str(r['gpu_share']) for r in run['trials']})}, not 1/{k}")
+        if not setting.rehearse and any(row["mfu"] is None for row in run["trials"]):
+            problems.append(f"{label}: a trial recorded no MFU")
+    one, many = runs["one worker"], runs[f"gpus:{k}"]
+    over_step = one["median_trial_over_step"]
+    speedup = (many["trials_per_hour"] / one["trials_per_hour"]
+               if many["trials_per_hour"] and one["trials_per_hour"] else None)
+    judged = not setting.rehearse
+    goals = {
+        "trial_mfu_at_least_0.7_of_step": {
+            "value": over_step, "step": "step (h), hpo's loop at steady state" if step_rate
+            else "the trial's own training steps",
+            "met": (over_step is not None and over_step >= 0.7) if judged else None},
+        f"gpus:{k}_at_least_2x_trials_per_hour": {
+            "value": None if speedup is None else round(speedup, 3),
+            "met": (speedup is not None and speedup >= 2.0) if judged else None},
+    }
+    problems += [f"goal {name} not met: {goal['value']}" for name, goal in goals.items()
+                 if goal["met"] is False]
+    return {"runs": runs, "goals": goals, "workers_per_gpu": k,
+            "posts": setting.workers_posts, "epochs": setting.workers_epochs,
+            "effective_batch": setting.workers_batch, "peak_tflops": round(peak / 1e12, 3),
+            "step_tflops": None if step_rate is None else round(step_rate / 1e12, 3),
+            "problems": problems}
+
+
+def workers_run(trials: list[Any], wall: float, peak: float,
+                step_rate: float | None) -> dict[str, Any]:
+    """One run of step (i): its trials and their throughput. Trials per hour over the span
+    from the first trial's start to the last one's end (a long study's rate: the workers'
+    start-up left out) and over the command's wall time; a trial's MFU is train_flops /
+    trial_seconds / peak, against the step's: `step_rate` where given, else the trial's own
+    training steps (`flops_per_second`, train_flops / the steps' seconds)."""
+    import statistics
+
+    rows = []
+    for t in trials:
+        attrs = t.user_attrs
+        row = {"trial": t.number, "state": t.state.name, **{key: attrs.get(key) for key in (
+            "worker", "gpu_share", "physical_batch_size", "trial_seconds", "train_seconds",
+            "train_flops", "flops_per_second", "mfu", "peak_memory_mib", "device_shared_gib",
+            "prune_reason")}}
+        rate = (row["train_flops"] / row["trial_seconds"]
+                if row["train_flops"] and row["trial_seconds"] else None)
+        row["trial_mfu"] = None if rate is None else round(rate / peak, 4)
+        reference = step_rate or row["flops_per_second"]
+        row["trial_over_step"] = (round(rate / reference, 3)
+                                  if rate is not None and reference else None)
+        # The share of the trial its training steps took, the same at any step speed.
+        row["trial_over_own_steps"] = (round(rate / row["flops_per_second"], 3)
+                                       if rate is not None and row["flops_per_second"]
+                                       else None)
+        rows.append(row)
+    finished = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED")]
+    span = ((max(t.datetime_complete for t in finished)
+             - min(t.datetime_start for t in finished)).total_seconds() if finished else 0.0)
+    flops = sum(r["train_flops"] or 0.0 for r in rows)
+    ratios = [r["trial_over_step"] for r in rows if r["trial_over_step"] is not None]
+    own = [r["trial_over_own_steps"] for r in rows if r["trial_over_own_steps"] is not None]
+    seconds = [r["trial_seconds"] for r in rows if r["trial_seconds"]]
+    return {
+        "finished": len(finished), "wall_seconds": round(wall, 1),
+        "span_seconds": round(span, 1),
+        "trials_per_hour": round(3600 * len(finished) / span, 1) if span else None,
+        "trials_per_hour_wall": round(3600 * len(finished) / wall, 1),
+        "median_trial_seconds": round(statistics.median(seconds), 2) if seconds else None,
+        "median_trial_mfu": (round(statistics.median(
+            r["trial_mfu"] for r in rows if r["trial_mfu"] is not None), 4)
+            if any(r["trial_mfu"] is not None for r in rows) else None),
+        "median_trial_over_step": round(statistics.median(ratios), 3) if ratios else None,
+        "median_trial_over_own_steps": round(statistics.median(own), 3) if own else None,
+        # The GPU's use over the span, all workers together.
+        "span_mfu": round(flops / span / peak, 4) if span else None,
+        "workers": sorted({str(r["worker"]) for r in rows}),
+        "trials": rows,
+    }
+
+
+# The run's order on the GPU: what the next run must show first ((h), (i), and the three
+# items not yet run there: (a)'s base-size BERT, (d)'s three trials, (e)'s shared GPU), then
+# the steps an H200 has passed (b, c, f, g), which a cut-off may drop.
+STEPS = ("hardware", "oom", "steady", "workers", "study", "loop", "check", "batch_search",
+         "auto")
+# Each step's seconds on an H200, for the budget (`--seconds`): run 1 (2026-11-27) where it
+# ran, the arithmetic otherwise. Together (a), (d), (h), (i) and (e) come to about 450 s.
+ESTIMATES = {
+    # Run 1: 26 s with the small BERT, mostly the process's first CUDA use; the base-size
+    # BERT's 3 x 4 steps at 8 x 512 add a few seconds (three models built on the host).
+    "hardware": 30,
+    # Run 2: 19 s for two trials; a third, tiny, trial adds a few seconds.
+    "oom": 25,
+    # 2 x 2,000 steps at 32 x ~290 processed tokens (throughput.py's posts: 261 real tokens
+    # a post at 512, padding efficiency ~0.9): ~4.6 TFLOP a step by hpo's rule, ~0.022 s at
+    # ~210 TFLOP/s = 44 s a side (88 s; 0.039 s a step, the check's 32 x 512, would be 156 s),
+    # plus ~8 s a side to tokenize 4,000 posts, build and warm up, and 2 s of matmul.
+    "steady": 120,
+    # One worker: ~12 s to start (run 2's two-trial `hpo run`: 19 s), 8 trials of 1,050
+    # training posts x 5 epochs at 32 = 160 steps x ~0.04 s = 6.4 s, plus ~4 s each to
+    # build the model, fork its loader and evaluate 5 times: ~10.5 s, so ~100 s. Four
+    # workers: ~25 s to start the launcher, its study and the workers, then 8 x 6.4 s of
+    # steps interleaved on the one GPU (~55-60 s), ~80 s. About 180 s together.
+    "workers": 180,
+    "study": 90,  # run 1: 79 s, run 2: 86 s
+    "loop": 55,  # run 2: 52 s
+    "check": 40,  # run 1: 37 s
+    "batch_search": 50,  # run 1: 48 s
+    "auto": 65,  # run 3: 65 s
+}
+# What a step needs beyond its estimate before the budget's end: gpu.json written, slack.
+MARGIN_SECONDS = 5
+
+
+def skip_reason(name: str, left: float | None) -> str | None:
+    """Why step `name` is not started with `left` seconds of the budget (None: no budget)."""
+    if left is None or ESTIMATES[name] + MARGIN_SECONDS <= left:
+        return None
+    return (f"about {ESTIMATES[name]} s on an H200, {max(left, 0):.0f} s of the budget left; "
+            f"run it alone: --steps {name}")
 
 
 def main() -> None:
@@ -609,7 +1027,11 @@ def main() -> None:
     parser.add_argument("--rehearse", action="store_true")
     parser.add_argument("--steps", nargs="+", default=None, choices=STEPS,
                         help="a subset, by name, in the order to run them")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="the run's budget (run.sh: HPO_GPU_SECONDS): on the GPU, a step "
+                             "whose ESTIMATES no longer fits in what is left is skipped")
     args = parser.parse_args()
+    began = time.perf_counter()
     setting = REHEARSAL if args.rehearse else GPU
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"
@@ -619,20 +1041,29 @@ def main() -> None:
     report = Report(args.out, setting)
     steps = {
         "hardware": lambda: step_hardware(setting),
-        "check": lambda: step_check(work, setting),
-        "batch_search": lambda: step_batch_search(work, setting),
         "oom": lambda: step_oom(work, setting),
+        "steady": lambda: step_steady(work, setting),
+        "workers": lambda: step_workers(work, setting, report.data["steps"]),
         "study": lambda: step_study(work, setting),
         "loop": lambda: step_loop(work, setting),
+        "check": lambda: step_check(work, setting),
+        "batch_search": lambda: step_batch_search(work, setting),
         "auto": lambda: step_auto(work, setting),
     }
-    assert list(steps) == list(STEPS)
-    # In the order named: a rerun puts first what matters.
+    assert list(steps) == list(STEPS) and set(ESTIMATES) == set(STEPS)
+    # In the order named: a rerun puts first what matters. The estimates are an H200's: the
+    # rehearsal runs every step.
     for name in dict.fromkeys(args.steps or STEPS):
-        report.step(name, steps[name])
+        left = (None if args.seconds is None or setting.rehearse
+                else args.seconds - (time.perf_counter() - began))
+        why = skip_reason(name, left)
+        if why is None:
+            report.step(name, steps[name])
+        else:
+            report.skip(name, why)
     statuses = {name: s["status"] for name, s in report.data["steps"].items()}
     print(json.dumps(statuses), flush=True)
-    sys.exit(0 if all(s == "ok" for s in statuses.values()) else 1)
+    sys.exit(0 if all(s in ("ok", "skipped") for s in statuses.values()) else 1)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@
 # wheels are installed into a folder of their own and put on PYTHONPATH beside the image's
 # packages; the steps (benchmarks/gpu/check.py) write OUTDIR/gpu.json as each ends, and
 # everything printed goes to OUTDIR/run.log too. The whole run is cut at HPO_GPU_SECONDS
-# (default 450: under 8 minutes with the install), keeping what the finished steps wrote.
+# (default 450: under 8 minutes with the install), keeping what the finished steps wrote; on
+# the GPU check.py is told the budget too, and skips a step its estimate says would not fit
+# (steps run in check.py's STEPS order, what the next GPU run must show first).
 # The rehearsal first checks what travels: under 64 MiB, every import covered.
 set -uo pipefail
 rehearse=""
@@ -39,7 +41,7 @@ main() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   fi
   timeout --signal=INT --kill-after=20 "${HPO_GPU_SECONDS:-450}" \
-    "$python" "$here/check.py" --out "$out" $rehearse "$@"
+    "$python" "$here/check.py" --out "$out" $rehearse --seconds "${HPO_GPU_SECONDS:-450}" "$@"
 }
 
 main "$@" 2>&1 | tee "$out/run.log"
