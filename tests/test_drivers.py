@@ -104,6 +104,48 @@ def test_best_epoch_keeps_the_last_epochs_weights_when_they_are_the_value():
         assert best.restore(values) == 1 and model.weight.item() == 2.0
 
 
+def test_weights_that_could_not_rank_among_the_kept_models_are_not_copied(monkeypatch):
+    import torch
+
+    from hpo.drivers import BestEpoch
+
+    copies = []
+    real = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: copies.append(1) or
+                        real(self, *a, **k))
+    model = _linear(1.0)
+    best = BestEpoch(model, "best", evaluations=3, floor=0.6)
+    best.after_evaluation(1, [0.5])  # the best so far, yet below the floor: not copied
+    model.weight.data.fill_(2.0)
+    best.after_evaluation(2, [0.5, 0.7])  # above it: copied
+    model.weight.data.fill_(3.0)
+    best.after_evaluation(3, [0.5, 0.7, 0.4])
+    assert len(copies) == 1
+    assert best.restore([0.5, 0.7, 0.4]) == 1 and model.weight.item() == 2.0
+    # A run whose chosen evaluation stayed under the floor holds no weights of it: None.
+    model = _linear(1.0)
+    best = BestEpoch(model, "best", evaluations=2, floor=0.6)
+    best.after_evaluation(1, [0.5])
+    best.after_evaluation(2, [0.5, 0.4])
+    assert best.restore([0.5, 0.4]) is None
+
+
+def test_the_floor_is_the_kth_best_completed_value_ties_to_the_earlier():
+    import math
+
+    from optuna.trial import TrialState
+
+    from hpo.artifacts import floor
+
+    study = optuna.create_study(direction="maximize")
+    assert floor(study, 1) == -math.inf
+    for value in (0.3, 0.5, 0.4):
+        study.tell(study.ask(), value)
+    study.tell(study.ask(), state=TrialState.PRUNED)
+    assert floor(study, 1) == 0.5 and floor(study, 2) == 0.4 and floor(study, 3) == 0.3
+    assert floor(study, 4) == -math.inf
+
+
 def test_the_scorer_scores_at_threshold_one_half_and_returns_the_objective(monkeypatch):
     from types import SimpleNamespace
 

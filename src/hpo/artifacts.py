@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import tempfile
 import uuid
 import zipfile
@@ -115,6 +116,15 @@ def keeper_for(config: StudyConfig, storage_url: str) -> Keeper | None:
 def kept(study: optuna.Study) -> dict[int, dict[str, Any]]:
     """The trials whose models are in the store: number -> artifact id and value."""
     return {int(k): v for k, v in study.user_attrs.get(KEPT, {}).items()}
+
+
+def floor(study: optuna.Study, best: int) -> float:
+    """The value a trial must beat to rank among the study's `best` COMPLETE trials now
+    (earlier results win ties, as `keep` ranks them): -inf while fewer have completed."""
+    values = sorted((t.value for t in study.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)) if t.value is not None),
+        reverse=True)
+    return values[best - 1] if len(values) >= best else -math.inf
 
 
 def keep(trial: optuna.Trial, value: float, keeper: Keeper,

@@ -14,6 +14,7 @@ while it ran goes on as its retry copy.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import optuna
 import torch
 
-from hpo import adapters, memory, metrics, records
+from hpo import adapters, artifacts, memory, metrics, records
 from hpo.config import TrainingConfig
 from hpo.context import TrialContext
 from hpo.data.batching import Encoded
@@ -62,47 +63,59 @@ def scorer(resources: Resources, plan: Plan, data: Encoded, gold: torch.Tensor, 
 class BestEpoch:
     """The weights of the evaluation a run's value comes from (`study.objective_epoch`),
     copied to the host after each evaluation that is the chosen one so far, unless it is the
-    last: the last one's weights are the model's own when training ends."""
+    last (the last one's weights are the model's own when training ends) or its score does
+    not beat `floor`: a trial of that value could not rank among the models the study keeps,
+    and a base model's copy costs a fifth of a second on a host."""
 
-    def __init__(self, model: torch.nn.Module, rule: str, evaluations: int) -> None:
+    def __init__(self, model: torch.nn.Module, rule: str, evaluations: int,
+                 floor: float = -math.inf) -> None:
         self._model, self._rule, self._evaluations = model, rule, evaluations
+        self._floor = floor
         self._state: dict[str, torch.Tensor] = {}
+        self._held: int | None = None  # the evaluation (1-based) whose weights _state holds
 
     def after_evaluation(self, index: int, values: list[float]) -> None:
         if (self._rule == "best" and index < self._evaluations
-                and metrics.chosen_epoch(values, self._rule) == index - 1):
+                and metrics.chosen_epoch(values, self._rule) == index - 1
+                and values[index - 1] > self._floor):
             self._state = {k: v.detach().to("cpu", copy=True)
                            for k, v in self._model.state_dict().items()}
+            self._held = index
 
-    def restore(self, values: list[float]) -> int:
-        """Put the chosen epoch's weights back into the model; returns its index."""
+    def restore(self, values: list[float]) -> int | None:
+        """Put the chosen evaluation's weights back into the model; returns its index, or
+        None where they were not copied (its score did not beat the floor)."""
         chosen = metrics.chosen_epoch(values, self._rule)
-        if chosen < len(values) - 1:
-            self._model.load_state_dict(self._state)
+        if chosen == len(values) - 1:
+            return chosen
+        if self._held != chosen + 1:
+            return None
+        self._model.load_state_dict(self._state)
         return chosen
 
 
 def fit(models: ModelStore, model_name: str, training: TrainingConfig, plan: Plan,
         resources: Resources, data: Encoded, pad_id: int,
         evaluate: Callable[[torch.nn.Module], float], scores: list[metrics.Scores], *,
-        snapshot: bool, on_evaluation: Callable[[int, float], None],
+        snapshot: float | None, on_evaluation: Callable[[int, float], None],
         on_step: Callable[[Progress], None],
         on_built: Callable[[torch.nn.Module, torch.nn.Module, float], None] | None = None,
-        ) -> tuple[torch.nn.Module, int]:
+        ) -> tuple[torch.nn.Module | None, int]:
     """Train a fresh `model_name` from `models` on `data`, calling `evaluate` (which appends
     to `scores`) at each evaluation (each epoch's end, more under evaluations_per_epoch).
     `on_built` hears the built model, the one prepared for the device (compiled, perhaps)
     and the seconds both took. Returns the built model and the evaluation (1-based) whose
-    weights it holds: with `snapshot`, the one the study's rule (`study.objective_epoch`)
-    chooses by `scores`, else the last."""
+    weights it holds: with a `snapshot` floor, the one the study's rule (`study.objective_
+    epoch`) chooses by `scores` (the model None where that one's score did not beat the
+    floor: `BestEpoch`), else (None) the last."""
     began = time.perf_counter()
     base = adapters.build(models, model_name, data.labels.shape[1], training, plan.precision)
     model = prepare(base, plan, resources.device)
     if on_built is not None:
         on_built(base, model, time.perf_counter() - began)
     objective = resources.config.study.objective
-    best = (BestEpoch(base, resources.config.study.objective_epoch, plan.evaluations)
-            if snapshot else None)
+    best = (BestEpoch(base, resources.config.study.objective_epoch, plan.evaluations,
+                      snapshot) if snapshot is not None else None)
 
     def evaluated(index: int, score: float) -> None:
         if best is not None:
@@ -115,7 +128,11 @@ def fit(models: ModelStore, model_name: str, training: TrainingConfig, plan: Pla
     del model
     if best is None:
         return base, plan.evaluations
-    return base, best.restore([s.get(objective) for s in scores]) + 1
+    values = [s.get(objective) for s in scores]
+    held = best.restore(values)
+    if held is None:
+        return None, metrics.chosen_epoch(values, resources.config.study.objective_epoch) + 1
+    return base, held + 1
 
 
 def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
@@ -127,6 +144,10 @@ def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resourc
     objective = resources.config.study.objective
     rule = resources.config.study.objective_epoch
     scores: list[metrics.Scores] = []
+    # Read once: the bar only rises as other trials finish, so a stale one copies more
+    # weights than needed, never fewer.
+    floor = (artifacts.floor(context.study, resources.keeper.best)
+             if resources.keeper is not None else None)
     evaluate = scorer(resources, plan, planned.validation_data, resources.gold(),
                       planned.pad_id, scores)
     prepared: list[torch.nn.Module] = []  # for the compiler's failure, once built
@@ -161,7 +182,7 @@ def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resourc
     try:
         model, epoch = fit(resources.models, planned.params.model_name, planned.training,
                            plan, resources, planned.train_data, planned.pad_id, evaluate,
-                           scores, snapshot=resources.keeper is not None,
+                           scores, snapshot=floor,
                            on_evaluation=on_evaluation, on_step=on_step, on_built=on_built)
     finally:
         if prepared:
@@ -212,7 +233,7 @@ def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resourc
             fit(resources.models, planned.params.model_name, planned.training, plan, resources,
                 fold.train, planned.pad_id,
                 scorer(resources, plan, fold.validation, fold.gold, planned.pad_id, scores),
-                scores, snapshot=False,
+                scores, snapshot=None,
                 on_evaluation=lambda epoch, score: reporter.epoch(context.trial.number, epoch,
                                                                   plan.epochs, score),
                 on_step=on_step, on_built=on_built)

@@ -193,14 +193,18 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     evaluate = ((lambda _model: math.nan) if refit
                 else scorer(resources, plan, data.validation, gold, data.pad_id, scores))
     # A store of its own: each seed's initial weights are needed once.
+    # Every chosen evaluation's weights are copied (a floor of -inf): the run's model is
+    # exported whatever it scores.
     model, kept = fit(ModelStore(), found.params.model_name,
-                            found.training.model_copy(update={"seed": seed}), plan, resources,
-                            data.train, data.pad_id, evaluate, scores, snapshot=not refit,
-                            on_evaluation=lambda index, score: reporter.epoch(
-                                label, as_epochs(index, plan.evaluations_per_epoch),
-                                plan.epochs, score),
-                            on_step=lambda p: reporter.step(label, p, plan.epochs),
-                            on_built=lambda *_: reporter.run_started(label, plan))
+                      found.training.model_copy(update={"seed": seed}), plan, resources,
+                      data.train, data.pad_id, evaluate, scores,
+                      snapshot=None if refit else -math.inf,
+                      on_evaluation=lambda index, score: reporter.epoch(
+                          label, as_epochs(index, plan.evaluations_per_epoch), plan.epochs,
+                          score),
+                      on_step=lambda p: reporter.step(label, p, plan.epochs),
+                      on_built=lambda *_: reporter.run_started(label, plan))
+    assert model is not None  # under a floor of -inf every chosen evaluation is copied
     kept_score = None if refit else scores[kept - 1].get(objective)
     # Adapters folded into the body, all in float32: the model as it is exported.
     model = adapters.merged(model)
