@@ -108,8 +108,9 @@ def test_a_finer_rank_blur_is_taken_where_steps_still_change_company(monkeypatch
 
 
 def test_a_finer_rank_blur_is_refused_where_steps_would_keep_their_company(monkeypatch):
-    # Distinct lengths: a blur of a fraction of a step keeps most of each sample's company.
-    lengths = list(range(10, 410))
+    # Each width (multiples of 16 up to 512) holds exactly one step's samples: the width order
+    # keeps every step's company, and a blur of a fraction of a step most of it.
+    lengths = [16 * k for k in range(1, 33) for _ in range(16)]
     for fine in batching.FINE_RANK_BLURS:
         this, following = (batching._fine_rank_order(lengths, 16, 0, epoch, fine)
                            for epoch in (1, 2))
@@ -117,6 +118,59 @@ def test_a_finer_rank_blur_is_refused_where_steps_would_keep_their_company(monke
     chosen = training_steps(lengths, 16, 16, seed=0, epoch=1)
     monkeypatch.setattr(batching, "FINE_RANK_BLURS", ())
     assert chosen == training_steps(lengths, 16, 16, seed=0, epoch=1)
+
+
+def test_the_width_order_sorts_widths_and_shuffles_samples_of_one_width():
+    lengths = long_tailed_lengths(2000)
+    multiple, longest = pad_multiple(max(lengths)), max(lengths)
+    orders = [batching._fine_rank_order(lengths, 16, 0, epoch, 0.0) for epoch in (1, 2)]
+    for order in orders:
+        widths = [padded_width(lengths[i], multiple, longest) for i in order]
+        assert widths == sorted(widths, reverse=True)
+    # Samples of one width come in another order each epoch, so steps change company.
+    assert orders[0][:200] != orders[1][:200]
+    assert batching.kept_company(orders[0], orders[1], 16) <= batching.MAX_KEPT
+
+
+def trainer_like_order(lengths: list[int], kept: list[int], batch: int,
+                       rng: random.Random) -> list[int]:
+    """transformers' LengthGroupedSampler over `kept`: random mega-batches of
+    min(n // (4 * batch), 50) batches, each sorted by length, longest first."""
+    order = rng.sample(kept, len(kept))
+    mega = max(1, min(len(kept) // (4 * batch), 50)) * batch
+    return [i for s in range(0, len(order), mega)
+            for i in sorted(order[s : s + mega], key=lambda i: -lengths[i])]
+
+
+def truncated_lengths(n: int, max_length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(max_length, max(3, int(rng.lognormvariate(5.3, 0.8)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("max_length", [64, 128, 256, 512])
+@pytest.mark.parametrize(("n", "effective", "physical"), [(400, 8, 8), (400, 32, 8),
+                                                          (3000, 8, 8), (3000, 32, 16)])
+def test_an_epoch_pads_no_more_than_the_trainers_length_grouping(max_length, n, effective,
+                                                                 physical):
+    """At the collator's widths, the chosen steps pad no more than the Trainer's order of
+    mega-batches sorted by length would, cut the same way, over the same samples."""
+    for seed in (0, 1):
+        lengths = truncated_lengths(n, max_length, seed)
+        steps = training_steps(lengths, effective, physical, seed=seed, epoch=1)
+        kept = [i for step in steps for micro in step for i in micro]
+        trainer = trainer_like_order(lengths, kept, effective, random.Random(seed))
+        assert padded_tokens(steps, lengths) <= padded_tokens(
+            batching._cut(trainer, effective, physical), lengths)
+
+
+@pytest.mark.parametrize("max_length", [64, 128, 256, 512])
+def test_where_the_width_order_is_admitted_no_order_pads_fewer_tokens(max_length):
+    # 5,000 samples: hundreds share each width, and the width order mixes steps.
+    lengths = truncated_lengths(5000, max_length, 0)
+    steps = training_steps(lengths, 32, 8, seed=0, epoch=1)
+    kept = [i for step in steps for micro in step for i in micro]
+    exact = sorted(kept, key=lambda i: -lengths[i])  # the least padding of whole steps
+    assert padded_tokens(steps, lengths) == padded_tokens(batching._cut(exact, 32, 8), lengths)
 
 
 def test_kept_company_is_the_share_of_step_mates_kept():
@@ -179,12 +233,14 @@ def test_widths_round_up_to_the_multiple_but_never_past_the_longest_example():
 
 
 @pytest.mark.parametrize(("longest", "multiple"), [(1, 1), (32, 1), (33, 2), (64, 2), (100, 4),
-                                                   (140, 8), (256, 8), (257, 16), (512, 16),
-                                                   (1024, 32)])
-def test_the_multiple_is_the_finest_power_of_two_that_keeps_at_most_32_widths(longest, multiple):
+                                                   (140, 8), (256, 8), (257, 8), (512, 8),
+                                                   (1024, 8)])
+def test_the_multiple_is_the_finest_power_of_two_that_keeps_at_most_32_widths_up_to_8(
+        longest, multiple):
     assert pad_multiple(longest) == multiple
-    assert len({padded_width(n, multiple, longest) for n in range(1, longest + 1)}) <= 32
-    if multiple > 1:  # and no finer one would
+    widths = len({padded_width(n, multiple, longest) for n in range(1, longest + 1)})
+    assert widths <= max(32, -(-longest // 8))
+    if 1 < multiple < 8:  # and no finer one would keep 32
         assert len({padded_width(n, multiple // 2, longest) for n in range(1, longest + 1)}) > 32
 
 

@@ -2,9 +2,9 @@
 
 Training batches come in optimizer steps of exactly the effective batch size, each cut into
 micro-batches of at most the physical batch size. Samples are grouped by length (the epoch
-is sorted by lengths blurred with a little noise, or by length ranks blurred, whichever pads
-less, then cut) so each micro-batch pads to a length close to its longest sample; the order of
-steps is shuffled so training does not see lengths in sequence.
+is sorted by lengths blurred with a little noise, or by length or width ranks blurred,
+whichever pads less, then cut) so each micro-batch pads to a length close to its longest
+sample; the order of steps is shuffled so training does not see lengths in sequence.
 """
 
 from __future__ import annotations
@@ -36,18 +36,24 @@ LENGTH_NOISE = 0.05
 # trade places, whatever the data's size), and the order that pads fewer tokens is trained.
 # Measured by benchmarks/padding.py (benchmarks/README.md, issue 44 item 1).
 RANK_BLUR = 0.5
-# Finer rank blurs, tried too: on large data many samples share each length, so a sample's
-# step-mates change from epoch to epoch even when each sample moves only a fraction of a step,
-# and the order pads less. A finer blur is admitted only where its orders of this epoch and
+# Finer blurs, tried too, of the rank by padded width: samples the collator pads to one
+# width are interchangeable for padding, so they come in random order among themselves and
+# only the widths are sorted. With no blur at all (0) no order pads fewer tokens at the data's
+# widths (a micro-batch's width is its widest sample's, and equal-sized batches of a sorted
+# order have the least sum of widths), yet on large data hundreds of samples share each width
+# and steps still change company from epoch to epoch; a blur of a fraction of a step mixes
+# more where a width holds fewer. A blur is admitted only where its orders of this epoch and
 # the next keep, on average, at most MAX_KEPT of each sample's step-mates together: no more
 # than the half-step blur keeps on data of distinct lengths (benchmarks/README.md, issue 44
-# item 1). On a few hundred posts they keep more, and are not admitted.
-FINE_RANK_BLURS = (0.25, 0.125)
+# item 1, issue 59 item 2). On a few hundred posts of wide spread they keep more, and are not
+# admitted.
+FINE_RANK_BLURS = (0.25, 0.125, 0.0)
 MAX_KEPT = 0.6
 
 # Batch widths are rounded up to a multiple, the smallest power of two that leaves a data set
-# at most MAX_WIDTHS distinct widths (never past its longest example): 8 at 256 tokens, the
-# multiple tensor cores want, 16 at 512, but 2 at the demo's 64. Few shapes mean the kernels
+# at most MAX_WIDTHS distinct widths (never past its longest example), and never coarser than
+# WIDEST_MULTIPLE: 8 at 256 tokens and beyond, the multiple tensor cores want, but 2 at the
+# demo's 64. Few shapes mean the kernels
 # built per shape (oneDNN primitives on a CPU, cuBLAS plans on a GPU) are reused instead of
 # built and kept for every length, so a worker's memory stops growing after its first trials.
 # 32 rather than 16 keeps multiples of 8 up to 256 tokens, which pads less at the same peak
@@ -55,6 +61,12 @@ MAX_KEPT = 0.6
 # `group_by_length`. The figures: benchmarks/README.md (worker memory growth; padding and
 # throughput against the Trainer; benchmarks/padding.py).
 MAX_WIDTHS = 32
+# Past 256 tokens the width bound alone would round to 16 (512) or 32 (1,024), and even each
+# post padded alone to such widths carries fewer real tokens than the Trainer's exact widths
+# on large data (benchmarks/README.md, padding at max_length 512): there the widths may
+# number up to longest / 8, which CPU kernel caches bound (hardware.CPU_KERNEL_CACHES) and
+# cuBLAS's plans make little of.
+WIDEST_MULTIPLE = 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,8 +173,10 @@ def training_steps(
     exact = sorted(kept, key=lambda i: -lengths[i])  # ties in the shuffled order
     by_rank = _blurred(exact, RANK_BLUR * effective, rng)
     candidates = [_cut(by_length, effective, physical), _cut(by_rank, effective, physical)]
+    widths = _widths(lengths)
+    by_width = {e: _by_width(widths, effective, seed, e) for e in (epoch, epoch + 1)}
     for fine in FINE_RANK_BLURS:
-        this, following = (_fine_rank_order(lengths, effective, seed, e, fine)
+        this, following = (_fine_blurred(by_width[e], effective, seed, e, fine)
                            for e in (epoch, epoch + 1))
         if kept_company(this, following, effective) <= MAX_KEPT:
             candidates.append(_cut(this, effective, physical))
@@ -183,12 +197,33 @@ def _epoch_samples(n: int, effective: int, seed: int, epoch: int
 
 def _fine_rank_order(lengths: Sequence[int], effective: int, seed: int, epoch: int,
                      blur: float) -> list[int]:
-    """The epoch's samples by exact length rank, each moved within +- `blur` effective
-    batches. The same samples as the epoch's other orders; its own random stream for the
-    moves, so the other orders are unchanged by it."""
-    _, kept = _epoch_samples(len(lengths), effective, seed, epoch)
-    rng = random.Random(f"{seed}:{epoch}:{blur}")
-    return _blurred(sorted(kept, key=lambda i: -lengths[i]), blur * effective, rng)
+    """The epoch's samples by the rank of the width the collator pads them to, each moved
+    within +- `blur` effective batches: the order `training_steps` tries for that blur."""
+    by_width = _by_width(_widths(lengths), effective, seed, epoch)
+    return _fine_blurred(by_width, effective, seed, epoch, blur)
+
+
+def _widths(lengths: Sequence[int]) -> list[int]:
+    """Each sample's width alone, as the collator pads it."""
+    longest = max(lengths, default=0)
+    multiple = pad_multiple(longest)
+    return [padded_width(n, multiple, longest) for n in lengths]
+
+
+def _by_width(widths: Sequence[int], effective: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's samples, widest first; samples of one width in the epoch's shuffled order.
+    The same samples as the epoch's other orders."""
+    _, kept = _epoch_samples(len(widths), effective, seed, epoch)
+    return sorted(kept, key=lambda i: -widths[i])
+
+
+def _fine_blurred(by_width: list[int], effective: int, seed: int, epoch: int,
+                  blur: float) -> list[int]:
+    """`by_width` with each sample moved within +- `blur` effective batches, by its own
+    random stream, so the epoch's other orders are unchanged by it."""
+    if blur == 0:
+        return by_width
+    return _blurred(by_width, blur * effective, random.Random(f"{seed}:{epoch}:{blur}"))
 
 
 def _blurred(ranked: list[int], width: float, rng: random.Random) -> list[int]:
@@ -263,7 +298,7 @@ class Collator:
 
 def pad_multiple(longest: int) -> int:
     multiple = 1
-    while multiple * MAX_WIDTHS < longest:
+    while multiple * MAX_WIDTHS < longest and multiple < WIDEST_MULTIPLE:
         multiple *= 2
     return multiple
 
