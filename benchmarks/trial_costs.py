@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 import replicas  # noqa: E402
+from demo_study import cpu_model  # noqa: E402
 
 # Seconds per training sample on the H200 in bf16 (see the module's docstring): bert-base's
 # check step of 32 x 512 tokens, 0.039 s, over 32; the others by the H200 study's in-trial
@@ -141,7 +141,7 @@ def row(trial: optuna.trial.FrozenTrial, name: str, gap: float, repeat: int) -> 
 
 
 def report(rows: list[dict], wall: float, storage: str) -> str:
-    lines = [f"Machine: {cpu()}, {os.cpu_count()} cores; torch {torch.__version__}, "
+    lines = [f"Machine: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, "
              f"transformers {transformers.__version__}, optuna {optuna.__version__}; "
              f"{time.strftime('%Y-%m-%d')}; storage {storage.split(':', 1)[0]}; "
              f"wall {wall:.0f} s\n",
@@ -169,13 +169,6 @@ def report(rows: list[dict], wall: float, storage: str) -> str:
                  f"{statistics.median(r['fixed'] for r in first):.2f} s, share "
                  f"{statistics.median(r['share'] for r in first):.1%}")
     return "\n".join(lines)
-
-
-def cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:

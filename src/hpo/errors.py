@@ -4,6 +4,8 @@ is imported here, so `hpo` reports a bad study file or option (and shows `--help
 first loading torch and transformers.
 """
 
+import signal
+
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (`docker stop`, Kubernetes evicting a pod): the worker stops as on Ctrl-C."""
@@ -54,6 +56,16 @@ class StudyFormatError(ValueError):
 
 BAD_INPUT = (CheckError, ConfigError, DataError, FaultConfigError, ModelError, SpaceError,
              StorageError, StudyFormatError)
+
+
+def process_end(returncode: int | None) -> str:
+    """How a child process ended, in words: "killed by SIGKILL", "exited with code 1"."""
+    if returncode is None or returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"killed by signal {-returncode}"
 
 
 def one_line(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import check, faults, memory, records
 from hpo.context import TrialContext
 from hpo.drivers import Trained, train_folds, train_trial
-from hpo.errors import Terminated, one_line
+from hpo.errors import Terminated, one_line, process_end
 from hpo.hardware import Device
 from hpo.outcome import INTERRUPTED, ChildDied, GivenBack, Outcome, Reaped
 from hpo.planning import PlannedTrial, plan_trial
@@ -64,13 +64,7 @@ def _death(died: ChildDied) -> Outcome:
     """A trial whose isolated child died before telling the study: SIGKILL is what the
     kernel's OOM killer sends, so it prunes as out of memory; any other death fails it."""
     exitcode = died.exitcode
-    if exitcode is not None and exitcode < 0:
-        try:
-            how = f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:  # a real-time signal has no name
-            how = f"killed by signal {-exitcode}"
-    else:
-        how = f"exited with code {exitcode}"
+    how = process_end(exitcode)
     if exitcode != -signal.SIGKILL:
         return Outcome(TrialState.FAIL, error=f"trial process {how}")
     if died.tried is None:

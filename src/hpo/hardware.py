@@ -32,8 +32,9 @@ _NATIVE_FP16 = (6, 0)
 # Set by `hpo run --workers gpus:K` in each worker (or by hand, for K workers started on one
 # GPU): K workers share the device, each with a stated share of its memory.
 WORKERS_PER_GPU = "HPO_WORKERS_PER_GPU"
-# The share of a shared device left outside the workers' allocators: their CUDA contexts and
-# libraries' modules, which no allocator cap bounds (memory.SHARED_SHARE's reason).
+# The share of a device its workers' CUDA contexts and libraries' modules take, outside any
+# allocator's cap: left out of the shares of a shared GPU, and what memory.foreign_bytes
+# allows beside a worker before it calls the device shared.
 CONTEXTS_SHARE = 0.05
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from hpo.errors import one_line
+from hpo.errors import one_line, process_end
 
 # Set in each worker's environment: the worker follows the launcher's death (cli.main).
 PARENT_VARIABLE = "HPO_LAUNCHER_PID"
@@ -108,16 +108,6 @@ def worst(codes: Sequence[int]) -> int:
     """The workers' worst exit code: an unexpected error or a death (1, 137) over bad input
     (2) over SIGTERM (143) over Ctrl-C (130) over done (0)."""
     return max(codes, key=lambda code: (_SEVERITY.get(code, len(_SEVERITY)), code), default=0)
-
-
-def ended(returncode: int) -> str:
-    """How a child ended, in words: "killed by SIGKILL", "exited with code 1"."""
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        return f"killed by {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"killed by signal {-returncode}"
 
 
 def left_trials(code: int) -> bool:
@@ -262,7 +252,7 @@ class Launcher:
             return
         mourner = threading.Thread(
             target=self._fail_trials,
-            args=(child.spec.name, child.process.pid, ended(returncode), self.on_death),
+            args=(child.spec.name, child.process.pid, process_end(returncode), self.on_death),
             name=f"mourn-{child.process.pid}", daemon=True)
         mourner.start()
         self._mourners.append(mourner)

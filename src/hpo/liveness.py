@@ -152,7 +152,13 @@ def fail_dead_worker(study: optuna.Study, storage: ResilientRDBStorage, worker: 
 
 def _requeued(storage: ResilientRDBStorage, study_id: int, number: int) -> bool:
     waiting = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
-    return any(t.system_attrs.get("retry_history", [None])[-1] == number for t in waiting)
+    return any(_copy_of(t) == number for t in waiting)
+
+
+def _copy_of(trial: optuna.trial.FrozenTrial) -> int | None:
+    """The trial a retry copy re-runs: Optuna's retry callback appends the failed trial's
+    number to the copy's `retry_history`."""
+    return trial.system_attrs.get("retry_history", [None])[-1]
 
 
 def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | None:
@@ -166,7 +172,7 @@ def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | No
     study, storage, number = trial.study, trial.storage, trial.number
     with lock():
         copies = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-                  if t.system_attrs.get("retry_history", [None])[-1] == number]
+                  if _copy_of(t) == number]
         claimed = None
         for copy in copies:
             try:

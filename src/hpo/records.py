@@ -19,7 +19,6 @@ from hpo import adapters, artifacts, export, liveness, metrics
 from hpo.context import TrialContext
 from hpo.errors import one_line
 from hpo.hardware import fused_adamw, library_versions
-from hpo.liveness import WORKER_PID
 from hpo.memory import BatchLimit, DeviceMemory
 from hpo.models import config_of
 from hpo.outcome import Outcome
@@ -36,7 +35,7 @@ class Warner(Protocol):
 def worker_name() -> str:
     """The worker running this trial: this process, or the worker whose trial runs in this
     process (`training.isolate_trials`), whose death its launcher watches for."""
-    return liveness.worker_on_this_host(int(os.environ.get(WORKER_PID, os.getpid())))
+    return liveness.worker_on_this_host(int(os.environ.get(liveness.WORKER_PID, os.getpid())))
 
 
 @batched_user_attrs()
