@@ -1,36 +1,42 @@
-"""Search policies replayed in simulated time on the table of real learning curves
-(benchmarks/learning_curves.py): many repetitions of a 200-trial, 8-worker search in
-minutes, where a real one takes GPU-days.
+"""Search policies replayed in simulated time on tables of learning curves, measured by the
+yardstick of benchmarks/yardstick.py (anytime normalized regret over paired worlds, with
+bootstrap intervals): many repetitions of a 200-trial, 8-worker search in minutes, where a
+real one takes GPU-days.
 
-    python benchmarks/replay.py --budget 20 --workers 1 --repetitions 100 --first-seed 0 \\
-        --output benchmarks/replay-20x1.json
-    python benchmarks/replay.py --render benchmarks/replay-20x1.json ...   # table and plot
-    python benchmarks/replay.py --reality benchmarks/search_quality.json   # against real runs
+    python benchmarks/replay.py --mode compute --budget 20 --workers 1 --repetitions 300 \\
+        --jobs 2 --output benchmarks/results/replay_compute_20x1.json         # the demo table
+    python benchmarks/replay.py --table benchmarks/tables/lcbench/*.jsonl --mode compute \\
+        --budget 20 --workers 1 --repetitions 102 --jobs 2 --output ...       # any tables
+    python benchmarks/replay.py --render OUT.json ... --plot regret.png       # table and plot
+    python benchmarks/replay.py --reality                                     # against real runs
+
+Two modes, never mixed. `--mode compute`: every policy runs as many trials as it can until a
+common horizon (`--horizon SECONDS`; by default the median wall, over the table's worlds, at
+which the novice finishes `--budget` trials): equal compute. `--mode trials`: `--budget`
+trials each, as users run `--n-trials`; the figures' horizon is the last of them to finish.
 
 The simulation (`simulate`): W workers, each asking its policy for a trial when it is free;
-a trial's epochs end at the times its learning curve gives, and at each epoch's end the
-policy hears the score and may stop the trial (a pruner, ASHA). Events are taken in time
-order, so a policy asking at time t sees exactly the reports made before t, as it would on
-a real fleet. Every policy drives Optuna through ask/tell on an in-memory storage, or Ray
-Tune's own `OptunaSearch` and `ASHAScheduler` objects, called as Ray's controller calls them.
+a trial's reports come at the times its curve gives, and at each the policy hears the score
+and may stop the trial (a pruner, ASHA, BOHB). Events are taken in time order, so a policy
+asking at time t sees exactly the reports made before t, as it would on a real fleet. Every
+policy is its own library's code: Optuna through ask/tell on an in-memory storage, Ray Tune's
+`OptunaSearch` and `ASHAScheduler` as Ray's controller calls them, Syne Tune's schedulers as
+its simulator backend calls them (benchmarks/peer_syne.py).
 
-The surrogate (`Curves.lookup`): a configuration's curve is interpolated linearly in the
-logarithm of the learning rate between the two nearest grid rates, at the nearest weight
-decay of the grid, for its model, precision and batch. Repetition k draws, per grid point,
-which recorded training seed it reads (seeded by k), so the paired repetitions of all
-policies search the same world, and the worlds vary between repetitions as training noise
-does.
-
-Costs: each epoch costs its recorded seconds; a trial's set-up (model load and the like)
-its recorded seconds, plus the tokenization where its worker has not tokenized that model
-yet, plus the batch search where the study has no batch limit cached for its model and
-precision (hpo's cache as on a GPU, where a model's first search reaches the physical limit;
-it costs the table's search at that bound). The peers' trials cost the table's seconds times
-their measured slowdown against hpo on the table's CPU kind, per model, and every worker
-starts after its tool's measured start-up (both from benchmarks/search_quality.json);
-`--even-costs` prices every tool as hpo and hpo's batch searches as free, to compare the
-searches alone. Not simulated: the samplers' own seconds (below 0.1 s per trial, against
-10-60 s trials).
+The demo table (benchmarks/learning_curves.json, the default): a configuration's curve is
+interpolated linearly in the logarithm of the learning rate between the two nearest grid
+rates, at the nearest weight decay of the grid, for its model, precision and batch. World k
+draws, per (model, precision, batch, learning rate), which recorded training seed it reads,
+the same at every weight decay (whose effect on the best score is below the seeds' noise), so
+the paired policies search the same world and the worlds vary as training noise does. Only
+the seeds recorded at every grid point are drawn. Costs: each epoch its recorded seconds; a
+trial's set-up its recorded seconds, plus the tokenization where its worker has not tokenized
+that model yet, plus hpo's batch search where the study has none cached for the model and
+precision; the peers' trials cost the table's seconds times their measured slowdown against
+hpo on the table's CPU kind, and every worker starts after its tool's measured start-up (both
+from benchmarks/search_quality.json); `--even-costs` prices every tool as hpo. A table in the
+JSON Lines format (`--table`, benchmarks/tables.py) has no costs but its reports' seconds:
+every policy pays the same. Not simulated: the samplers' own seconds.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from __future__ import annotations
 import argparse
 import bisect
 import concurrent.futures
+import dataclasses
 import functools
-import hashlib
 import heapq
 import itertools
 import json
@@ -53,9 +59,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
+import peer_syne
+import tables
 import yaml
+import yardstick
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
-from search_quality import MEDIAN_STARTUP, MEDIAN_WARMUP, variant
+from search_quality import MEDIAN_STARTUP, MEDIAN_WARMUP, cpu_model, variant
+from tables import Costs, Curve, Point
 
 from hpo import config as config_module
 from hpo import study_files
@@ -67,39 +78,31 @@ TABLE = HERE / "learning_curves.json"
 REAL = HERE / "search_quality.json"
 REAL_PRUNER = ("study.pruner.name=median", "study.pruner.n_startup_trials=4",
                "study.pruner.n_warmup_steps=1")
+# The expert run again with other seeds: the null check's copy.
+COPY_SEED = 1_000_003
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
-# ---------------------------------------------------------------------------- the table
-
-
-@dataclass(frozen=True)
-class Curve:
-    scores: tuple[float, ...]  # validation macro-F1 per epoch
-    seconds: tuple[float, ...]  # per epoch, steps and scoring
-    setup: float  # before the first epoch, less tokenization and batch search
-
-
-@dataclass(frozen=True)
-class Costs:
-    """One-off costs the table measured: a model's first tokenization on a worker, and a
-    batch search per model, precision and batch bound."""
-    tokenization: dict[str, float]
-    batch_search: dict[tuple[str, str, int], float]
+# ---------------------------------------------------------------------------- the tables
 
 
 class Table(Protocol):
     """What `simulate` reads of a table: a configuration's curve in a world, and the
     one-off costs a worker and a study pay."""
+    name: str
     costs: Costs
     max_physical: int
 
     def curve(self, config: Any, world: int) -> Curve: ...
 
+    def random_median(self, world: int) -> float: ...
+
 
 class Curves:
-    """The table, looked up by configuration for one repetition's world."""
+    """The demo's table, looked up by configuration for one repetition's world."""
+
+    name = "demo"
 
     def __init__(self, table: dict, max_physical: int = 32) -> None:
         self.table, self.epochs = table, table["epochs"]
@@ -107,11 +110,14 @@ class Curves:
         columns = table["columns"]
         self.rows = [dict(zip(columns, row, strict=True)) for row in table["rows"]]
         self.max_physical = max_physical
-        self.by_point: dict[tuple, list[dict]] = {}
+        self.by_point: dict[tuple, dict[int, dict]] = {}
         for row in self.rows:
             point = (row["model"], row["precision"], row["batch"], row["weight_decay"],
                      row["learning_rate"])
-            self.by_point.setdefault(point, []).append(row)
+            self.by_point.setdefault(point, {})[row["seed"]] = row
+        # Seeds recorded at every grid point (a partly recorded seed would be drawn only
+        # where it exists, so more often there than elsewhere).
+        self.seeds = sorted(set.intersection(*(set(s) for s in self.by_point.values())))
         self.rates = sorted({r["learning_rate"] for r in self.rows})
         self.decays = sorted({r["weight_decay"] for r in self.rows})
         self.models = sorted({r["model"] for r in self.rows})
@@ -144,12 +150,12 @@ class Curves:
         rows = self.by_point.get(point)
         if not rows:
             raise KeyError(f"the table has no trial of {point}")
-        digest = hashlib.sha256(f"{world}:{point}".encode()).digest()
-        return rows[int.from_bytes(digest[:4], "little") % len(rows)]
+        model, precision, batch, _decay, rate = point
+        seed = self.seeds[tables.draw(f"{world}:{(model, precision, batch, rate)}",
+                                      len(self.seeds))]
+        return rows[seed]
 
     def curve(self, config: Config, world: int) -> Curve:
-        """What `simulate` reads: a trial's curve (benchmarks/replay_lcbench.py has
-        another table behind the same method)."""
         return self.lookup(config.model, config.precision, config.batch,
                            config.learning_rate, config.weight_decay, world)
 
@@ -174,6 +180,11 @@ class Curves:
         return Curve(mix(a["f1"], b["f1"]), mix(a["epoch_seconds"], b["epoch_seconds"]),
                      (1 - share) * base(a) + share * base(b))
 
+    def random_median(self, world: int) -> float:
+        """The median last-epoch score over the grid in this world: the grid's rates are
+        log-spaced and its batches and decays even, as a random configuration draws them."""
+        return statistics.median(self._row(point, world)["f1"][-1] for point in self.by_point)
+
 
 # ---------------------------------------------------------------------------- policies
 
@@ -188,8 +199,8 @@ class Config:
 
 
 class Running(Protocol):
-    """A trial a policy started: it hears each epoch's score and may stop it."""
-    config: Config
+    """A trial a policy started: it hears each report and may stop the trial."""
+    config: Any
 
     def report(self, epoch: int, score: float) -> bool: ...  # True: stop here
 
@@ -206,29 +217,6 @@ class Policy(Protocol):
     def slowdown(self, model: str) -> float: ...  # its trial seconds over hpo's
 
 
-@dataclass
-class OptunaRunning:
-    study: optuna.Study
-    trial: optuna.Trial
-    config: Config
-    report_value: Callable[[list[float]], float]
-    step_of: Callable[[int, Config], int]
-    epochs: int
-    tell_value: Callable[[list[float]], float]
-    scores: list[float] = field(default_factory=list)
-
-    def report(self, epoch: int, score: float) -> bool:
-        self.scores.append(score)
-        self.trial.report(self.report_value(self.scores), self.step_of(epoch, self.config))
-        return epoch < self.epochs and self.trial.should_prune()
-
-    def finish(self, scores: list[float], stopped: bool) -> None:
-        if stopped:
-            self.study.tell(self.trial, state=TrialState.PRUNED)
-        else:
-            self.study.tell(self.trial, self.tell_value(scores))
-
-
 def best(scores: list[float]) -> float:
     return max(scores)
 
@@ -237,23 +225,45 @@ def last(scores: list[float]) -> float:
     return scores[-1]
 
 
-def by_epoch(epoch: int, _config: Config) -> int:
+def by_epoch(epoch: int, _config: Any) -> int:
     return epoch
 
 
 @dataclass
+class OptunaRunning:
+    study: optuna.Study
+    trial: optuna.Trial
+    config: Any
+    report_value: Callable[[list[float]], float]
+    step_of: Callable[[int, Any], int]
+    tell_value: Callable[[list[float]], float]
+    scores: list[float] = field(default_factory=list)
+
+    def report(self, epoch: int, score: float) -> bool:
+        self.scores.append(score)
+        self.trial.report(self.report_value(self.scores), self.step_of(epoch, self.config))
+        return self.trial.should_prune()
+
+    def finish(self, scores: list[float], stopped: bool) -> None:
+        if stopped:
+            self.study.tell(self.trial, state=TrialState.PRUNED)
+        else:
+            self.study.tell(self.trial, self.tell_value(scores))
+
+
+@dataclass
 class OptunaPolicy:
-    """A policy that is an Optuna study: hpo's own, or a user's glue around the Trainer."""
+    """A policy that is an Optuna study: hpo's own, or a user's glue around the Trainer.
+    `report_value` is what each report tells the pruner, `tell_value` the trial's value."""
     name: str
     study: optuna.Study
-    sample: Callable[[optuna.Trial], Config]
-    epochs: int
+    sample: Callable[[optuna.Trial], Any]
     startup: float = 0.0
     slowdowns: dict[str, float] = field(default_factory=dict)
     gap: float = 0.0
     report_value: Callable[[list[float]], float] = best
     tell_value: Callable[[list[float]], float] = best
-    step_of: Callable[[int, Config], int] = by_epoch
+    step_of: Callable[[int, Any], int] = by_epoch
     sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None = None
 
     def ask(self) -> Running:
@@ -262,7 +272,7 @@ class OptunaPolicy:
             # As hpo's worker does: one sampler per trial, seeded by the trial's number.
             self.study.sampler = self.sampler_for(trial.number)
         return OptunaRunning(self.study, trial, self.sample(trial), self.report_value,
-                             self.step_of, self.epochs, self.tell_value)
+                             self.step_of, self.tell_value)
 
     def slowdown(self, model: str) -> float:
         return self.slowdowns.get(model, 1.0)
@@ -276,28 +286,6 @@ def new_study(seed: int, sampler: optuna.samplers.BaseSampler,
     return optuna.create_study(storage=optuna.storages.InMemoryStorage(),
                                study_name=f"replay-{seed}", direction="maximize",
                                sampler=sampler, pruner=pruner)
-
-
-def hpo_policy(study_config: config_module.StudyConfig, curves: Curves, seed: int,
-               name: str = "hpo", startup: float = 0.0, gap: float = 0.0) -> OptunaPolicy:
-    """hpo's defaults as `hpo run` builds them: its sampler (seeded per trial), pruner,
-    enqueued sets, space and precision rule, from hpo's own functions."""
-    config = with_overrides(study_config, f"study.sampler.seed={seed}")
-    study = new_study(seed, make_sampler(config), make_pruner(config))
-    for params in config.study.enqueue:
-        study.enqueue_trial(dict(params), skip_if_exists=True)
-    pinned = pinned_space(config, curves)
-    rule = config.study.objective_epoch
-
-    def sample(trial: optuna.Trial) -> Config:
-        params = suggest(trial, pinned)
-        return Config(params.model_name, params.fp_precision, params.target_effective_batch_size,
-                      params.learning_rate, float(params.extras.get("weight_decay", 0.0)))
-
-    value = best if rule == "best" else last
-    return OptunaPolicy(name, study, sample, config.training.epochs, startup, gap=gap,
-                        report_value=value, tell_value=value,
-                        sampler_for=lambda number: make_sampler(config, number))
 
 
 def with_overrides(study: config_module.StudyConfig, *sets: str
@@ -326,19 +314,31 @@ def pinned_space(config: config_module.StudyConfig, curves: Curves) -> PinnedSpa
     return replace(pinned, fp_precision=kept)
 
 
-def plain_sample(space: config_module.SearchSpace, precision: str) -> Callable[[optuna.Trial],
-                                                                               Config]:
-    """A user's own objective: the study file's ranges, one precision."""
+def plain_space(space: config_module.SearchSpace) -> dict[str, BaseDistribution]:
+    """A user's own objective's space: the study file's ranges, as Optuna distributions."""
     decay = space.extras()["weight_decay"]
+    rate = space.learning_rate
+    return {"model_name": CategoricalDistribution(list(space.model_name)),
+            "batch": CategoricalDistribution(list(space.target_effective_batch_size)),
+            "learning_rate": FloatDistribution(rate.low, rate.high, log=rate.log),
+            "weight_decay": FloatDistribution(decay.low, decay.high)}
 
-    def sample(trial: optuna.Trial) -> Config:
-        model = trial.suggest_categorical("model_name", space.model_name)
-        batch = trial.suggest_categorical("batch", space.target_effective_batch_size)
-        rate = trial.suggest_float("learning_rate", space.learning_rate.low,
-                                   space.learning_rate.high, log=space.learning_rate.log)
-        wd = trial.suggest_float("weight_decay", decay.low, decay.high)
-        return Config(model, precision, batch, rate, wd)
 
+def demo_config(precision: str) -> Callable[[dict[str, Any]], Config]:
+    def config_of(params: dict[str, Any]) -> Config:
+        return Config(params["model_name"], precision, params["batch"],
+                      params["learning_rate"], params["weight_decay"])
+    return config_of
+
+
+def table_config(params: dict[str, Any]) -> Point:
+    return Point(tuple(params.items()))
+
+
+def sampling(space: dict[str, BaseDistribution], config_of: Callable[[dict[str, Any]], Any]
+             ) -> Callable[[optuna.Trial], Any]:
+    def sample(trial: optuna.Trial) -> Any:
+        return config_of(tables.suggest(trial, space).as_dict())
     return sample
 
 
@@ -348,7 +348,7 @@ class RayRunning:
     Ray's controller calls them for each result and at the trial's end."""
     policy: RayPolicy
     trial_id: str
-    config: Config
+    config: Any
     last: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -375,14 +375,16 @@ class _RayTrial:
 
 @dataclass
 class RayPolicy:
-    """Ray Tune: ASHA (grace 1 epoch, reduction factor 2, at most the study's epochs) with
-    Optuna's TPE as `OptunaSearch`, as benchmarks/peer_ray.py sets them up."""
+    """Ray Tune: `ASHAScheduler` (grace 1 epoch, at most the table's epochs, the reduction
+    factor given: Ray's default is 4) with Optuna's TPE as `OptunaSearch`, as
+    benchmarks/peer_ray.py sets them up."""
     name: str
-    space: config_module.SearchSpace
-    precision: str
+    space: dict[str, BaseDistribution]
+    config_of: Callable[[dict[str, Any]], Any]
     seed: int
     epochs: int
     n_startup_trials: int
+    reduction_factor: int = 4
     startup: float = 0.0
     slowdowns: dict[str, float] = field(default_factory=dict)
     gap: float = 0.0
@@ -392,13 +394,14 @@ class RayPolicy:
         from ray.tune.schedulers import ASHAScheduler
         from ray.tune.search.optuna import OptunaSearch
 
-        sample = self.sample()
+        space = self.space
         self.searcher = OptunaSearch(
-            space=lambda trial: sample(trial) and None, metric="objective", mode="max",
-            sampler=optuna.samplers.TPESampler(seed=self.seed,
-                                               n_startup_trials=self.n_startup_trials))
+            space=lambda trial: tables.suggest(trial, space) and None, metric="objective",
+            mode="max", sampler=optuna.samplers.TPESampler(
+                seed=self.seed, n_startup_trials=self.n_startup_trials))
         self.scheduler = ASHAScheduler(metric="objective", mode="max", time_attr="epoch",
-                                       max_t=self.epochs, grace_period=1, reduction_factor=2)
+                                       max_t=self.epochs, grace_period=1,
+                                       reduction_factor=self.reduction_factor)
 
     def ask(self) -> Running:
         trial_id = str(len(self.handles))
@@ -407,16 +410,53 @@ class RayPolicy:
         self.scheduler.on_trial_add(None, self.handles[trial_id])
         return RayRunning(self, trial_id, self.config_of(params))
 
-    def sample(self) -> Callable[[optuna.Trial], Any]:
-        """The define-by-run space OptunaSearch samples (replay_lcbench.py: another)."""
-        return plain_sample(self.space, self.precision)
+    def slowdown(self, model: str) -> float:
+        return self.slowdowns.get(model, 1.0)
 
-    def config_of(self, params: dict[str, Any]) -> Any:
-        return Config(params["model_name"], self.precision, params["batch"],
-                      params["learning_rate"], params["weight_decay"])
+
+@dataclass
+class SyneRunning:
+    policy: SynePolicy
+    number: int
+    config: Any
+
+    def report(self, epoch: int, score: float) -> bool:
+        return self.policy.scheduler.result(self.number, epoch, score)
+
+    def finish(self, scores: list[float], stopped: bool) -> None:
+        if not stopped:
+            self.policy.scheduler.complete(self.number)
+
+
+@dataclass
+class SynePolicy:
+    """Syne Tune's BOHB (benchmarks/peer_syne.py says why this one), at its defaults."""
+    name: str
+    space: dict[str, BaseDistribution]
+    config_of: Callable[[dict[str, Any]], Any]
+    seed: int
+    epochs: int
+    method: str = "bohb"
+    startup: float = 0.0
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    gap: float = 0.0
+    asked: int = 0
+
+    def __post_init__(self) -> None:
+        self.scheduler = peer_syne.Scheduler(
+            {n: optuna.distributions.distribution_to_json(d) for n, d in self.space.items()},
+            self.epochs, self.seed, method=self.method)
+
+    def ask(self) -> Running:
+        self.asked += 1
+        config = self.scheduler.suggest(self.asked)
+        return SyneRunning(self, self.asked, self.config_of(config))
 
     def slowdown(self, model: str) -> float:
         return self.slowdowns.get(model, 1.0)
+
+    def close(self) -> None:
+        self.scheduler.close()
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -426,21 +466,22 @@ class RayPolicy:
 class Finished:
     start: float
     end: float
-    config: Config
+    config: Any
     scores: tuple[float, ...]
     state: str  # COMPLETE or PRUNED
 
     @property
     def value(self) -> float | None:
-        """As every tool is scored: a COMPLETE trial's best epoch."""
+        """As every tool is scored: a COMPLETE trial's best report."""
         return max(self.scores) if self.state == "COMPLETE" else None
 
 
-def simulate(policy: Policy, curves: Table, world: int, budget: int, workers: int,
-             epochs: int, horizon: float = 0.0, searches_batches: bool = False
-             ) -> list[Finished]:
-    """The trials of one search, in the order they finished: `budget` trials, then more
-    until `horizon` (simulated seconds) has passed."""
+def simulate(policy: Policy, table: Table, world: int, workers: int, *,
+             budget: int | None = None, horizon: float = math.inf,
+             searches_batches: bool = False) -> list[Finished]:
+    """The trials of one search, in the order they finished. Trials mode: `budget` trials.
+    Compute mode (no budget): trials start until `horizon` (simulated seconds) and only those
+    finished by then count."""
     events: list[tuple[float, int, int, int]] = []
     running: dict[int, tuple[Running, Curve, float, float]] = {}
     tokenized: list[set[str]] = [set() for _ in range(workers)]
@@ -450,20 +491,20 @@ def simulate(policy: Policy, curves: Table, world: int, budget: int, workers: in
 
     def start(worker: int, now: float) -> None:
         nonlocal counter
-        if counter >= budget and now >= horizon:
+        if (counter >= budget) if budget is not None else (now >= horizon):
             return
         run = policy.ask()
         c = run.config
-        curve = curves.curve(c, world)
+        curve = table.curve(c, world)
         setup = curve.setup
         if c.model not in tokenized[worker]:
             tokenized[worker].add(c.model)
-            setup += curves.costs.tokenization.get(c.model, 0.0)
+            setup += table.costs.tokenization.get(c.model, 0.0)
         # hpo's first search per model and precision probes up to the physical limit.
-        bound = (c.model, c.precision, curves.max_physical)
+        bound = (c.model, c.precision, table.max_physical)
         if searches_batches and bound not in searched:
             searched.add(bound)
-            setup += curves.costs.batch_search.get(bound, 0.0)
+            setup += table.costs.batch_search.get(bound, 0.0)
         factor = policy.slowdown(c.model)
         running[counter] = (run, curve, now, factor)
         heapq.heappush(events, (now + (setup + curve.seconds[0]) * factor, counter, worker, 1))
@@ -473,13 +514,16 @@ def simulate(policy: Policy, curves: Table, world: int, budget: int, workers: in
         start(worker, policy.startup)
     while events:
         now, number, worker, epoch = heapq.heappop(events)
+        if now > horizon:
+            break
         run, curve, began, factor = running[number]
+        length = len(curve.scores)
         stop = run.report(epoch, curve.scores[epoch - 1])
-        if epoch < epochs and not stop:
+        if epoch < length and not stop:
             heapq.heappush(events, (now + curve.seconds[epoch] * factor, number, worker,
                                     epoch + 1))
             continue
-        pruned = stop and epoch < epochs
+        pruned = stop and epoch < length
         run.finish(list(curve.scores[:epoch]), pruned)
         del running[number]
         finished.append(Finished(began, now, run.config, curve.scores[:epoch],
@@ -493,15 +537,8 @@ def best_by(trials: list[Finished], moment: float) -> float | None:
     return max(values) if values else None
 
 
-def reached(trials: list[Finished], target: float) -> float:
-    """When the best so far first reached `target` (infinite: never)."""
-    return next((t.end for t in trials if t.value is not None and t.value >= target),
-                math.inf)
-
-
-def wall(trials: list[Finished], budget: int) -> float:
-    """When the budget's last trial finished (trials in the order they started)."""
-    return max(t.end for t in sorted(trials, key=lambda t: t.start)[:budget])
+def wall(trials: list[Finished]) -> float:
+    return max((t.end for t in trials), default=0.0)
 
 
 def steps_of(trials: list[Finished]) -> list[list[float]]:
@@ -510,7 +547,7 @@ def steps_of(trials: list[Finished]) -> list[list[float]]:
     for trial in trials:
         if trial.value is not None and trial.value > top:
             top = trial.value
-            out.append([round(trial.end, 2), round(top, 5)])
+            out.append([round(trial.end, 3), round(top, 6)])
     return out
 
 
@@ -527,6 +564,9 @@ class Measured:
     # Seconds between a trial's end and the next trial's start on the same worker: what the
     # tool does between trials (a Trainer built, a Ray trial's actor started, a study read).
     gaps: dict[str, float] = field(default_factory=dict)
+
+
+NOTHING = Measured({}, {}, 0)
 
 
 def measured(real: dict, machine: str) -> Measured:
@@ -572,167 +612,232 @@ def short(model: str) -> str:
 PRIOR_RATES = (2.0e-5, 5.0e-5)
 
 
-def policies(names: list[str], study: config_module.StudyConfig, curves: Curves, seed: int,
-             facts: Measured, variants: dict[str, list[str]] | None = None
-             ) -> list[tuple[Policy, bool]]:
+@dataclass(frozen=True)
+class Ground:
+    """What a repetition's policies are built for: hpo's study (the demo's file, or a study
+    at hpo's schema defaults on another table), the table, and each tool's measured costs
+    (the demo's only)."""
+    study: config_module.StudyConfig
+    table: Any
+    facts: Measured = NOTHING
+
+    @property
+    def demo(self) -> bool:
+        return isinstance(self.table, Curves)
+
+    @property
+    def epochs(self) -> int:
+        return self.study.training.epochs
+
+
+def table_study(table: tables.RecordedTable) -> config_module.StudyConfig:
+    """hpo's study on a table: the schema's default sampler and pruner, the table's reports
+    as its epochs (the demo file lends the rest, which a table never reads)."""
+    study = study_files.load(study_files.study_path("demo"),
+                             [f"training.epochs={table.epochs}"])
+    raw = study.model_dump(mode="json")
+    raw["study"]["sampler"] = config_module.SamplerConfig().model_dump(mode="json")
+    raw["study"]["pruner"] = config_module.PrunerConfig().model_dump(mode="json")
+    raw["study"]["enqueue"] = []
+    return config_module.StudyConfig.model_validate(raw)
+
+
+def hpo_policy(config: config_module.StudyConfig, ground: Ground, seed: int, name: str,
+               costs_of: str = "hpo", report_value: Callable[[list[float]], float] | None = None
+               ) -> OptunaPolicy:
+    """hpo's search as `hpo run` builds it: its sampler (seeded per trial), pruner, enqueued
+    sets and value rule from hpo's own functions; on the demo also its space and precision
+    rule. `costs_of` names the tool whose measured costs it pays."""
+    config = with_overrides(config, f"study.sampler.seed={seed}")
+    study = new_study(seed, make_sampler(config), make_pruner(config))
+    for params in config.study.enqueue:
+        study.enqueue_trial(dict(params), skip_if_exists=True)
+    value = best if config.study.objective_epoch == "best" else last
+    if ground.demo:
+        pinned = pinned_space(config, ground.table)
+
+        def sample(trial: optuna.Trial) -> Any:
+            params = suggest(trial, pinned)
+            return Config(params.model_name, params.fp_precision,
+                          params.target_effective_batch_size, params.learning_rate,
+                          float(params.extras.get("weight_decay", 0.0)))
+    else:
+        sample = sampling(ground.table.space, table_config)
+    facts = ground.facts
+    slow = {m: facts.slowdowns.get(costs_of, {}).get(short(m), 1.0)
+            for m in getattr(ground.table, "models", [])} if costs_of != "hpo" else {}
+    return OptunaPolicy(name, study, sample, facts.startup.get(costs_of, 0.0), slow,
+                        facts.gaps.get(costs_of, 0.0), report_value=report_value or value,
+                        tell_value=value, sampler_for=lambda n: make_sampler(config, n))
+
+
+def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
+    """hpo configured exactly as the expert's glue: Optuna 5's TPE defaults with the study's
+    start-up trials, the median pruner (4 start-up trials, 1 warm-up epoch), the best epoch
+    told, nothing enqueued."""
+    return with_overrides(
+        study, "study.sampler.name=tpe", "study.sampler.multivariate=true",
+        "study.sampler.constant_liar=true", "study.sampler.group=false",
+        "study.pruner.name=median", f"study.pruner.n_startup_trials={MEDIAN_STARTUP}",
+        f"study.pruner.n_warmup_steps={MEDIAN_WARMUP}", "study.objective_epoch=best",
+        "study.enqueue=[]")
+
+
+def policies(names: list[str], ground: Ground, seed: int,
+             variants: dict[str, list[str]] | None = None) -> list[tuple[Policy, bool]]:
     """Each named policy for repetition `seed`, and whether it searches batches as hpo;
-    `variants` names hpo with `--set` overrides (candidate defaults)."""
-    space = study.search_space
-    fastest = min(curves.precisions, key=lambda p: sum(
-        curves.seconds_per_epoch(m, p) for m in curves.models))
-    sampler = study.study.sampler
-    epochs = study.training.epochs
-    slow = {tool: {m: facts.slowdowns.get(tool, {}).get(short(m), 1.0) for m in curves.models}
-            for tool in ("novice", "expert", "ray")}
+    `variants` names hpo with `--set` overrides (one named "hpo" replaces hpo's defaults).
 
-    def median(n_startup: int, warmup: int) -> optuna.pruners.MedianPruner:
-        return optuna.pruners.MedianPruner(n_startup_trials=n_startup, n_warmup_steps=warmup)
+    The peers as their users build them with the installed Optuna, every setting stated:
+    - `novice`: `Trainer.hyperparameter_search(backend="optuna")`: `TPESampler(seed=...,
+      n_startup_trials=<the study's>)`, otherwise Optuna 5's defaults (multivariate, constant
+      liar: the TPE hpo runs too); on the demo the median pruner judging at the Trainer's
+      global step (which only trials of one batch share), elsewhere no pruner; fp32; its
+      last epoch told;
+    - `expert`: the same TPE, `MedianPruner(n_startup_trials=4, n_warmup_steps=1)` at epoch
+      ends, the last epoch reported and the best told (benchmarks/peer_trainer.py), the
+      fastest native precision;
+    - `expert-copy`: the expert with other seeds; `hpo-as-expert`: hpo's code path set as
+      the expert (`as_expert`) paying the expert's costs: the two null checks;
+    - `ray`: Ray Tune's `OptunaSearch` (that TPE) and `ASHAScheduler` at Ray's defaults
+      (grace 1 epoch, reduction factor 4); `ray-rf2`: reduction factor 2;
+    - `random`: hpo with `sampler.name: random`, no pruner; `tpe-hyperband`: hpo with
+      Optuna's `HyperbandPruner` as it comes (first rung at one epoch);
+    - `bohb`: Syne Tune 0.13's asynchronous BOHB at its defaults (benchmarks/peer_syne.py);
+    - `prior` (demo): hpo with the literature's rates enqueued for each model.
+    """
+    study, table, facts = ground.study, ground.table, ground.facts
+    startup = study.study.sampler.n_startup_trials
+    epochs = ground.epochs
+    if ground.demo:
+        space = plain_space(study.search_space)
+        fastest = min(table.precisions, key=lambda p: sum(
+            table.seconds_per_epoch(m, p) for m in table.models))
+        of = {"novice": demo_config("none"), "expert": demo_config(fastest)}
+        slow = {tool: {m: facts.slowdowns.get(tool, {}).get(short(m), 1.0)
+                       for m in table.models} for tool in ("novice", "expert", "ray")}
+    else:
+        space, of, slow = table.space, {"novice": table_config, "expert": table_config}, {}
 
-    def study_of(sampler: optuna.samplers.BaseSampler,
-                 pruner: optuna.pruners.BasePruner) -> optuna.Study:
-        return new_study(seed, sampler, pruner)
+    def tpe(s: int) -> optuna.samplers.TPESampler:
+        return optuna.samplers.TPESampler(seed=s, n_startup_trials=startup)
 
-    def steps(epoch: int, config: Config) -> int:
+    def glue(name: str, tool: str, s: int, pruner: optuna.pruners.BasePruner,
+             **how: Any) -> tuple[Policy, bool]:
+        return OptunaPolicy(name, new_study(seed, tpe(s), pruner), sampling(space, of[tool]),
+                            facts.startup.get(tool, 0.0), slow.get(tool, {}),
+                            facts.gaps.get(tool, 0.0), report_value=last, **how), False
+
+    def median() -> optuna.pruners.MedianPruner:
+        return optuna.pruners.MedianPruner(n_startup_trials=MEDIAN_STARTUP,
+                                           n_warmup_steps=MEDIAN_WARMUP)
+
+    def trainer_steps(epoch: int, config: Config) -> int:
         # The Trainer reports at its global step: trials of different batches never share
         # a step, so the median pruner compares only trials of one batch.
-        return epoch * (curves.train_size // config.batch)
+        return epoch * (table.train_size // config.batch)
 
-    def override(*sets: str) -> config_module.StudyConfig:
-        return with_overrides(study, *sets)
-
-    prior = [{"model_name": m, "learning_rate": r} for m in space.model_name
-             for r in PRIOR_RATES]
+    def novice() -> tuple[Policy, bool]:
+        if ground.demo:
+            return glue("novice", "novice", seed, median(), tell_value=last,
+                        step_of=trainer_steps)
+        return glue("novice", "novice", seed, optuna.pruners.NopPruner(), tell_value=last)
 
     def ours(config: config_module.StudyConfig, name: str) -> tuple[Policy, bool]:
-        return hpo_policy(config, curves, seed, name, facts.startup.get("hpo", 0.0),
-                          facts.gaps.get("hpo", 0.0)), True
+        return hpo_policy(config, ground, seed, name), ground.demo
 
-    def glue(name: str, sampler: optuna.samplers.BaseSampler, precision: str,
-             **how: Any) -> tuple[Policy, bool]:
-        study = study_of(sampler, median(MEDIAN_STARTUP, MEDIAN_WARMUP))
-        return OptunaPolicy(name, study, plain_sample(space, precision), epochs,
-                            facts.startup.get(name, 0.0), slow[name], facts.gaps.get(name, 0.0),
-                            report_value=last, tell_value=last, **how), False
+    def ray(name: str, factor: int) -> tuple[Policy, bool]:
+        return RayPolicy(name, space, of["expert"], seed, epochs, startup, factor,
+                         facts.startup.get("ray", 0.0), slow.get("ray", {}),
+                         facts.gaps.get("ray", 0.0)), False
 
+    prior = [{"model_name": m, "learning_rate": r} for m in study.search_space.model_name
+             for r in PRIOR_RATES]
     enqueue = "study.enqueue=" + yaml.safe_dump(prior, default_flow_style=True, width=math.inf)
     build: dict[str, Callable[[], tuple[Policy, bool]]] = {
         "hpo": lambda: ours(study, "hpo"),
-        "novice": lambda: glue("novice", optuna.samplers.TPESampler(seed=seed), "none",
-                               step_of=steps),
-        "expert": lambda: glue("expert", optuna.samplers.TPESampler(
-            seed=seed, n_startup_trials=sampler.n_startup_trials), fastest),
-        "ray": lambda: (RayPolicy("ray", space, fastest, seed, epochs,
-                                  sampler.n_startup_trials, facts.startup.get("ray", 0.0),
-                                  slow["ray"], facts.gaps.get("ray", 0.0)), False),
-        "random": lambda: ours(override("study.sampler.name=random", "study.pruner.name=none"),
-                               "random"),
-        # Optuna's HyperbandPruner as it comes: the first rung at one epoch.
-        "tpe-hyperband": lambda: ours(override("study.pruner.name=hyperband",
-                                               "study.pruner.min_resource=1"), "tpe-hyperband"),
-        "prior": lambda: ours(override(enqueue), "prior"),
+        "novice": novice,
+        "expert": lambda: glue("expert", "expert", seed, median(), tell_value=best),
+        "expert-copy": lambda: glue("expert-copy", "expert", seed + COPY_SEED, median(),
+                                    tell_value=best),
+        "hpo-as-expert": lambda: (hpo_policy(as_expert(study), ground, seed, "hpo-as-expert",
+                                             costs_of="expert", report_value=last), False),
+        "ray": lambda: ray("ray", 4),
+        "ray-rf2": lambda: ray("ray-rf2", 2),
+        "random": lambda: ours(with_overrides(study, "study.sampler.name=random",
+                                              "study.pruner.name=none"), "random"),
+        "tpe-hyperband": lambda: ours(with_overrides(
+            study, "study.pruner.name=hyperband", "study.pruner.min_resource=1"),
+            "tpe-hyperband"),
+        "bohb": lambda: (SynePolicy("bohb", space, of["expert"], seed, epochs),
+                         False),
     }
-    # A variant named "hpo" replaces hpo's defaults (--hpo-set).
+    if ground.demo:
+        build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
     for label, sets in (variants or {}).items():
-        build[label] = functools.partial(lambda sets, label: ours(override(*sets), label),
-                                         sets, label)
+        build[label] = functools.partial(
+            lambda sets, label: ours(with_overrides(study, *sets), label), sets, label)
     unknown = [n for n in names if n not in build]
     if unknown:
         raise SystemExit(f"unknown policy {unknown[0]}: choose from {', '.join(build)}")
     return [build[name]() for name in names]
 
 
-PEERS = ["novice", "expert", "ray", "random", "tpe-hyperband", "prior"]
+PEERS = ["novice", "expert", "ray", "ray-rf2", "random", "tpe-hyperband", "bohb"]
+# Each null check: a policy and the one it must come out level with.
+NULLS = [("expert-copy", "expert"), ("hpo-as-expert", "expert")]
 
 
-# ---------------------------------------------------------------------------- the figures
+# ---------------------------------------------------------------------------- worlds
 
 
-def oracle(curves: Curves, world: int, epochs: int) -> float:
-    """The best score any grid point reaches in this world: regret is counted from it."""
-    return max(max(curves._row(point, world)["f1"][:epochs]) for point in curves.by_point)
+@dataclass(frozen=True)
+class Setting:
+    """One replay: its tables, mode and size. World k searches table k mod the tables."""
+    mode: str  # compute or trials
+    budget: int
+    workers: int
+    names: tuple[str, ...]
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    horizons: tuple[float, ...] = ()  # compute mode: per table
+
+    def variant_sets(self) -> dict[str, list[str]]:
+        return {label: list(sets) for label, sets in self.variants}
 
 
-def repetition(names: list[str], study: config_module.StudyConfig, curves: Curves,
-               seed: int, *, budget: int, workers: int, facts: Measured,
-               variants: dict[str, list[str]] | None = None) -> dict[str, dict]:
-    """One paired repetition: every peer for `budget` trials, then hpo for `budget` trials
-    and on until the slowest peer's wall time, all in world `seed`."""
-    epochs = study.training.epochs
-    out = race(policies(names, study, curves, seed, facts, variants), curves, seed,
-               budget=budget, workers=workers, epochs=epochs)
-    out["oracle"] = {"best": oracle(curves, seed, epochs)}
-    return out
-
-
-def race(chosen: list[tuple[Policy, bool]], curves: Table, world: int, *, budget: int,
-         workers: int, epochs: int) -> dict[str, dict]:
-    """Each policy's search in one world: every peer for `budget` trials, then hpo for
-    `budget` trials and on until the slowest peer's wall time."""
+def race(chosen: list[tuple[Policy, bool]], table: Any, world: int, setting: Setting,
+         horizon: float) -> dict[str, dict]:
+    """Every policy's search in one world, and the world's figures: its horizon, the best
+    any policy found by then and a random configuration's median."""
     out: dict[str, dict] = {}
     for policy, searches in chosen:
-        if policy.name == "hpo":
-            continue
-        trials = simulate(policy, curves, world, budget, workers, epochs,
-                          searches_batches=searches)
-        out[policy.name] = {"wall": round(wall(trials, budget), 2), "steps": steps_of(trials),
-                            "pruned": sum(t.state == "PRUNED" for t in trials)}
-    hpo, searches = next(p for p in chosen if p[0].name == "hpo")
-    horizon = max((run["wall"] for run in out.values()), default=0.0)
-    trials = simulate(hpo, curves, world, budget, workers, epochs, horizon=horizon,
-                      searches_batches=searches)
-    out["hpo"] = {"wall": round(wall(trials, budget), 2), "steps": steps_of(trials),
-                  "pruned": sum(t.state == "PRUNED" for t in trials[:budget])}
+        if setting.mode == "compute":
+            trials = simulate(policy, table, world, setting.workers, horizon=horizon,
+                              searches_batches=searches)
+        else:
+            trials = simulate(policy, table, world, setting.workers, budget=setting.budget,
+                              searches_batches=searches)
+        if hasattr(policy, "close"):
+            policy.close()
+        out[policy.name] = {"steps": steps_of(trials), "trials": len(trials),
+                            "pruned": sum(t.state == "PRUNED" for t in trials),
+                            "reports": sum(len(t.scores) for t in trials),
+                            "wall": round(wall(trials), 3)}
+    end = horizon if setting.mode == "compute" else max(r["wall"] for r in out.values())
+    found = [yardstick.incumbent(r["steps"], end) for r in out.values()]
+    out["world"] = {"table": table.name, "seed": world, "horizon": end,
+                    "best": max((f for f in found if f is not None), default=0.0),
+                    "baseline": table.random_median(world)}
     return out
 
 
-def at(steps: list[list[float]], moment: float) -> float | None:
-    values = [best for time, best in steps if time <= moment]
-    return values[-1] if values else None
-
-
-def when(steps: list[list[float]], target: float) -> float:
-    return next((time for time, best in steps if best >= target), math.inf)
-
-
-def versus(reps: list[dict], peer: str) -> dict[str, Any]:
-    """G1 and G2 of hpo against `peer` over paired repetitions."""
-    wins = ties = 0
-    shares = []
-    for rep in reps:
-        theirs, ours = rep[peer], rep["hpo"]
-        final = theirs["steps"][-1][1] if theirs["steps"] else None
-        mine = at(ours["steps"], theirs["wall"])
-        if final is None or (mine is not None and mine > final):
-            wins += 1
-        elif mine is not None and mine == final:
-            ties += 1
-        shares.append(0.0 if final is None else when(ours["steps"], final) / theirs["wall"])
-    n = len(reps)
-    return {"g1": round((wins + ties) / n, 3), "g1_strict": round(wins / n, 3),
-            "ties": round(ties / n, 3), "g2_median": statistics.median(shares),
-            "never": sum(math.isinf(s) for s in shares),
-            "g1_interval": share_interval(wins + ties, n),
-            "g2_interval": median_interval(shares)}
-
-
-def share_interval(hits: int, n: int, confidence: float = 0.95) -> list[float]:
-    """Wilson's interval for the share `hits`/`n` of paired repetitions: what 100
-    repetitions can tell a G1 of 0.67 from the goal's 0.8."""
-    import scipy.stats
-
-    found = scipy.stats.binomtest(hits, n).proportion_ci(confidence, method="wilson")
-    return [round(found.low, 3), round(found.high, 3)]
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> list[float] | None:
-    """A distribution-free interval for the median of `values` (infinities included): the
-    order statistics that binomial(n, 1/2) puts the median between; None where even the
-    smallest and largest value hold it with less than `confidence` (5 values or fewer)."""
-    import scipy.stats
-
-    ordered, n = sorted(values), len(values)
-    low = int(scipy.stats.binom.ppf((1 - confidence) / 2, n, 0.5))
-    return None if low < 1 else [ordered[low - 1], ordered[n - low]]
+def one_world(setting: Setting, load: Callable[[], list[Ground]], world: int) -> dict:
+    grounds = load()
+    ground = grounds[world % len(grounds)]
+    horizon = (setting.horizons[world % len(grounds)] if setting.mode == "compute"
+               else math.inf)
+    chosen = policies(list(setting.names), ground, world, setting.variant_sets())
+    return race(chosen, ground.table, world, setting, horizon)
 
 
 def repeat(one: Callable[[int], dict], seeds: range, jobs: int) -> list[dict]:
@@ -743,108 +848,156 @@ def repeat(one: Callable[[int], dict], seeds: range, jobs: int) -> list[dict]:
         for k, rep in enumerate(pool.map(one, seeds), 1):
             reps.append(rep)
             if k % 10 == 0:
-                print(f"  {k}/{len(seeds)} repetitions", file=sys.stderr, flush=True)
+                print(f"  {k}/{len(seeds)} worlds", file=sys.stderr, flush=True)
     return reps
 
 
+def horizons(setting: Setting, load: Callable[[], list[Ground]], seeds: range,
+             jobs: int) -> tuple[float, ...]:
+    """Per table, the median wall at which the novice finishes `budget` trials over the
+    table's worlds: compute mode's default horizon."""
+    probe = replace(setting, mode="trials", names=("novice",), variants=())
+    reps = repeat(functools.partial(one_world, probe, load), seeds, jobs)
+    count = len(load())
+    return tuple(statistics.median(rep["novice"]["wall"] for k, rep in zip(seeds, reps,
+                                                                           strict=True)
+                                   if k % count == t) for t in range(count))
+
+
+# ---------------------------------------------------------------------------- the figures
+
+
+_GROUNDS: dict[tuple, list[Ground]] = {}
+
+
+def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | None
+            ) -> list[Ground]:
+    """The tables of a replay, read once per process: the demo's (a .json file of
+    benchmarks/learning_curves.py) with hpo's demo study and the tools' measured costs, or
+    tables in the JSON Lines format with a study at hpo's defaults."""
+    key = (paths, real, even_costs, epochs)
+    if key not in _GROUNDS:
+        found = []
+        for path in map(Path, paths):
+            if path.suffix == ".jsonl":
+                table = tables.read(path)
+                found.append(Ground(table_study(table), table))
+                continue
+            made = json.loads(path.read_text())
+            curves = Curves(made)
+            study = study_files.load(study_files.study_path("demo"),
+                                     [f"training.epochs={epochs or made['epochs']}"])
+            facts = measured(json.loads(Path(real).read_text()), made["machine"])
+            found.append(Ground(study, curves, even(facts, curves) if even_costs else facts))
+        _GROUNDS[key] = found
+    return _GROUNDS[key]
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("optuna", "ray", "numpy", "scipy"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    out["syne-tune"] = "0.13.0 (benchmarks/peers/syne.txt)"
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
-    table = json.loads(args.table.read_text())
-    curves = Curves(table)
-    study = study_files.load(study_files.study_path("demo"),
-                               [f"training.epochs={args.epochs or table['epochs']}"])
-    facts = measured(json.loads(args.real.read_text()), table["machine"])
-    if args.even_costs:
-        facts = even(facts, curves)
-    variants = dict(args.variants)
-    names = ["hpo", *[p for p in args.policies if p != "hpo"], *variants]
+    load = functools.partial(grounds, tuple(str(p) for p in args.table), str(args.real),
+                             args.even_costs, args.epochs)
+    variants = tuple((label, tuple(sets)) for label, sets in args.variants)
+    names = ("hpo", *dict.fromkeys(p for p in args.policies if p != "hpo"),
+             *(label for label, _ in variants if label != "hpo"))
     if args.hpo_sets:
-        # A candidate default scored as hpo itself against every peer, run to their wall.
-        variants["hpo"] = args.hpo_sets
-    one = functools.partial(repetition, names, study, curves, budget=args.budget,
-                            workers=args.workers, facts=facts, variants=variants)
-    reps = repeat(one, range(args.first_seed, args.first_seed + args.repetitions), args.jobs)
+        variants = (*variants, ("hpo", tuple(args.hpo_sets)))
+    setting = Setting(args.mode, args.budget, args.workers, names, variants)
+    seeds = range(args.first_seed, args.first_seed + args.repetitions)
+    count = len(load())
+    if args.mode == "compute":
+        chosen = ((args.horizon,) * count if args.horizon
+                  else horizons(setting, load, seeds, args.jobs))
+        setting = replace(setting, horizons=chosen)
+    reps = repeat(functools.partial(one_world, setting, load), seeds, args.jobs)
+    null_names = {a for a, _ in NULLS}
     return {
-        "budget": args.budget, "workers": args.workers, "repetitions": args.repetitions,
-        "first_seed": args.first_seed, "epochs": study.training.epochs,
-        "hpo_sets": args.hpo_sets, "even_costs": args.even_costs,
-        "table": {"file": args.table.name, "machine": table["machine"], "dates": table["dates"],
-                  "rows": len(table["rows"]), "seeds": sorted({r[5] for r in table["rows"]})},
-        "measured": {"startup": facts.startup, "slowdowns": facts.slowdowns,
-                     "gaps": facts.gaps, "runs": facts.runs},
-        "versus": {peer: versus(reps, peer) for peer in names if peer != "hpo"},
+        "mode": args.mode, "budget": args.budget, "workers": args.workers,
+        "repetitions": args.repetitions, "first_seed": args.first_seed,
+        "horizons": list(setting.horizons), "hpo_sets": args.hpo_sets,
+        "even_costs": args.even_costs, "policies": list(names),
+        "tables": [{"file": Path(p).name, "name": g.table.name} for p, g in zip(
+            args.table, load(), strict=True)],
+        "machine": cpu_model(), "versions": versions(),
+        "measured": next((dataclasses.asdict(g.facts) for g in load() if g.demo), None),
+        "versus": {peer: yardstick.compare(reps, "hpo", peer) for peer in names
+                   if peer != "hpo" and peer not in null_names},
+        "nulls": {f"{a} vs {b}": {**(f := yardstick.compare(reps, a, b)),
+                                  "level": yardstick.level(f)}
+                  for a, b in NULLS if a in names and b in names},
         "repetitions_data": reps,
     }
 
 
-def regret_curves(result: dict, points: int = 200) -> tuple[list[float], dict[str, Any]]:
-    """Per policy, the regret (the world's best grid score less the best found so far) at
-    `points` times: its interquartile mean over repetitions and a bootstrap 95% band."""
-    import numpy as np
-
-    reps = result["repetitions_data"]
-    names = [n for n in reps[0] if n != "oracle"]
-    end = max(rep[n]["wall"] for rep in reps for n in names)
-    times = np.linspace(0, end, points)
-    rng = np.random.default_rng(0)
-    out = {}
-    for name in names:
-        regret = np.array([[rep["oracle"]["best"] - (at(rep[name]["steps"], t) or 0.0)
-                            for t in times] for rep in reps])
-        boot = np.array([iqm(regret[rng.integers(0, len(reps), len(reps))])
-                         for _ in range(200)])
-        out[name] = (iqm(regret), np.percentile(boot, 2.5, axis=0),
-                     np.percentile(boot, 97.5, axis=0))
-    return list(times), out
-
-
-def iqm(values: Any) -> Any:
-    """The interquartile mean over the first axis (rliable's aggregate): the mean of the
-    middle half, a quarter cut from each end."""
-    import numpy as np
-
-    ordered = np.sort(values, axis=0)
-    cut = int(0.25 * len(ordered))
-    return ordered[cut:len(ordered) - cut].mean(axis=0)
+def span(bounds: list[float] | None, digits: int = 2) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.{digits}f} to {bounds[1]:.{digits}f}"
 
 
 def render(paths: list[Path], plot: Path | None) -> str:
-    lines = ["| setting | peer | G1 (ties) | G1 95% | G1 strict | median G2 | G2 95% "
-             "| never reached |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| table | mode | setting | hpo vs | auc_ratio (95%) | final regret diff (95%) "
+             "| G1 strict (95%) | median G2 (95%) | worlds |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     results = [json.loads(p.read_text()) for p in paths]
-
-    def interval(bounds: list[float] | None) -> str:
-        return "-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
-
     for r in results:
-        setting = f"{r['budget']} trials x {r['workers']}"
-        for peer, f in r["versus"].items():
-            lines.append(f"| {setting} | {peer} | {f['g1']:.2f} ({f['ties']:.2f}) | "
-                         f"{interval(f.get('g1_interval'))} | {f['g1_strict']:.2f} | "
-                         f"{f['g2_median']:.2f} | {interval(f.get('g2_interval'))} | "
-                         f"{f['never']} |")
+        where = ", ".join(sorted({t["name"] for t in r["tables"]}))[:40]
+        setting = f"{r['budget']} x {r['workers']}"
+        rows = [(f"hpo vs {peer}", f) for peer, f in r["versus"].items()]
+        rows += [(f"null: {pair}", f) for pair, f in r["nulls"].items()]
+        for label, f in rows:
+            g2 = "-" if f["g2_median"] is None else f"{f['g2_median']:.2f}"
+            mark = "" if "level" not in f else (" (level)" if f["level"] else " (NOT level)")
+            lines.append(
+                f"| {where} | {r['mode']} | {setting} | {label.removeprefix('hpo vs ')}{mark} | "
+                f"{f['auc_ratio']:.3f} ({span(f['auc_ratio_interval'], 3)}) | "
+                f"{f['final_regret_diff']:+.3f} ({span(f['final_regret_diff_interval'], 3)}) | "
+                f"{f['g1_strict']:.2f} ({span(f['g1_interval'])}) | {g2} "
+                f"({span(f['g2_interval'])}) | {f['worlds']} |")
     if plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-        for ax, r in zip(axes[0], results, strict=True):
-            times, curves = regret_curves(r)
-            hours = [t / 3600 for t in times]
-            for name, (mean, low, high) in curves.items():
-                ax.plot(hours, mean, label=name)
-                ax.fill_between(hours, low, high, alpha=0.2)
-            ax.set_title(f"{r['budget']} trials on {r['workers']} worker(s), "
-                         f"{r['repetitions']} repetitions")
-            ax.set_xlabel("simulated hours")
-            ax.set_ylabel(f"regret ({r.get('score', 'macro-F1')}), IQM and 95% band")
-            ax.set_yscale("log")
-        axes[0][0].legend()
-        fig.tight_layout()
-        fig.savefig(plot, dpi=100)
+        draw(results, plot)
     return "\n".join(lines)
+
+
+def draw(results: list[dict], plot: Path) -> None:
+    """Per result, normalized regret (IQM and bootstrap 95% band) and average rank over the
+    share of the horizon."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 8), squeeze=False)
+    for k, r in enumerate(results):
+        names = [n for n in r["policies"] if n not in {a for a, _ in NULLS}]
+        found = yardstick.over_time(r["repetitions_data"], names)
+        top, bottom = axes[0][k], axes[1][k]
+        for name in names:
+            top.plot(found["shares"], found[name]["iqm"], label=name)
+            top.fill_between(found["shares"], found[name]["low"], found[name]["high"],
+                             alpha=0.15)
+            bottom.plot(found["shares"], found[name]["rank"], label=name)
+        where = ", ".join(sorted({t["name"] for t in r["tables"]}))[:30]
+        top.set_title(f"{where}: {r['mode']}, {r['budget']} x {r['workers']}, "
+                      f"{r['repetitions']} worlds", fontsize=9)
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xlabel("share of the horizon")
+        top.set_ylabel("normalized regret, IQM and 95% band")
+        bottom.set_ylabel("average rank (1 best)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=90)
 
 
 def reality(real_path: Path, table_path: Path) -> str:
@@ -855,6 +1008,7 @@ def reality(real_path: Path, table_path: Path) -> str:
     facts = measured(real, table["machine"])
     # Those runs' hpo ran the median pruner, the default of the time.
     study = study_files.load(study_files.study_path("demo"), list(REAL_PRUNER))
+    ground = Ground(study, curves, facts)
     runs = [r for r in real["runs"] if r["label"] == "default"
             and r.get("machine", real["machine"]) == table["machine"]]
     lines = ["| seed | tool | real wall | replayed wall | ratio | real best | replayed best "
@@ -862,25 +1016,24 @@ def reality(real_path: Path, table_path: Path) -> str:
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     budget = real["n_trials"]
     for seed in sorted({r["seed"] for r in runs}):
-        chosen = dict((p.name, (p, searches)) for p, searches in policies(
-            [r["tool"] for r in runs if r["seed"] == seed], study, curves, seed, facts))
+        chosen = {p.name: (p, searches) for p, searches in policies(
+            [r["tool"] for r in runs if r["seed"] == seed], ground, seed)}
         for run in (r for r in runs if r["seed"] == seed):
             policy, searches = chosen[run["tool"]]
-            trials = simulate(policy, curves, seed, budget, 1, study.training.epochs,
+            trials = simulate(policy, curves, seed, 1, budget=budget,
                               searches_batches=searches)
-            mine = wall(trials, budget)
+            mine = wall(trials)
             theirs = run.get("trial_budget_wall") or sum(run["walls"])
             first = sorted(run["trials"], key=lambda t: t["number"])[:budget]
             real_best = max((t["value"] for t in first if t["state"] == "COMPLETE"),
                             default=None)
-            ran = sorted(trials, key=lambda t: t.start)[:budget]
             large = sum("MiniLM" in t["model"] for t in first), sum(
-                "MiniLM" in t.config.model for t in ran)
+                "MiniLM" in t.config.model for t in trials)
             pruned = sum(t["state"] != "COMPLETE" for t in first), sum(
-                t.state != "COMPLETE" for t in ran)
+                t.state != "COMPLETE" for t in trials)
             lines.append(f"| {seed} | {run['tool']} | {theirs:.0f} s | {mine:.0f} s | "
                          f"{mine / theirs:.2f} | {fmt(real_best)} | "
-                         f"{fmt(best_by(ran, math.inf))} | {large[0]} / {large[1]} | "
+                         f"{fmt(best_by(trials, math.inf))} | {large[0]} / {large[1]} | "
                          f"{pruned[0]} / {pruned[1]} |")
     return "\n".join(lines)
 
@@ -889,48 +1042,67 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def parser() -> argparse.ArgumentParser:
+    found = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    found.add_argument("--table", type=Path, nargs="+", default=[TABLE],
+                       help="tables: the demo's .json, or .jsonl files in the replay format; "
+                       "world k searches table k mod their number")
+    found.add_argument("--mode", choices=("compute", "trials"), default="compute")
+    found.add_argument("--budget", type=int, default=20,
+                       help="trials per search (compute mode: the novice's, for the horizon)")
+    found.add_argument("--horizon", type=float, help="compute mode's horizon in seconds")
+    found.add_argument("--workers", type=int, default=1)
+    found.add_argument("--repetitions", type=int, default=100, help="worlds")
+    found.add_argument("--first-seed", type=int, default=0,
+                       help="reporting seeds from 0, tuning seeds from 1000")
+    found.add_argument("--jobs", type=int, default=1, help="processes for the worlds")
+    found.add_argument("--epochs", type=int, help="the demo study's epochs (default: the "
+                       "table's)")
+    found.add_argument("--policies", nargs="*", default=[*PEERS, *(a for a, _ in NULLS)])
+    found.add_argument("--variant", dest="variants", type=variant, action="append",
+                       default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE...]",
+                       help="also hpo with these overrides, as a peer named NAME")
+    found.add_argument("--hpo-set", dest="hpo_sets", action="append", default=[],
+                       metavar="KEY=VALUE", help="hpo's defaults changed so; the peers, "
+                       "those built on hpo too, keep the study file's")
+    found.add_argument("--even-costs", action="store_true",
+                       help="the demo: every tool's trials cost hpo's, and hpo searches no "
+                       "batch: the searches alone")
+    found.add_argument("--real", type=Path, default=REAL,
+                       help="real runs: the peers' start-up and slowdowns on the demo")
+    found.add_argument("--output", type=Path)
+    found.add_argument("--render", type=Path, nargs="+",
+                       help="write the table of these outputs (and --plot) instead")
+    found.add_argument("--plot", type=Path)
+    found.add_argument("--reality", action="store_true",
+                       help="replay the real runs of --real on the demo table's CPU kind")
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=int, default=20, help="trials per search")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--repetitions", type=int, default=100)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=1, help="processes for the repetitions")
-    parser.add_argument("--epochs", type=int, help="the study's epochs (default: the table's)")
-    parser.add_argument("--policies", nargs="*", default=PEERS)
-    parser.add_argument("--variant", dest="variants", type=variant, action="append",
-                        default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE...]",
-                        help="also hpo with these overrides, as a peer named NAME")
-    parser.add_argument("--hpo-set", dest="hpo_sets", action="append", default=[],
-                        metavar="KEY=VALUE", help="hpo's defaults changed so; the peers, "
-                        "those built on hpo too, keep the study file's")
-    parser.add_argument("--even-costs", action="store_true",
-                        help="every tool's trials cost hpo's, and hpo searches no batch: "
-                        "the searches alone")
-    parser.add_argument("--table", type=Path, default=TABLE)
-    parser.add_argument("--real", type=Path, default=REAL,
-                        help="real runs: the peers' start-up and slowdowns")
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--render", type=Path, nargs="+",
-                        help="write the table of these outputs (and --plot) instead")
-    parser.add_argument("--plot", type=Path)
-    parser.add_argument("--reality", action="store_true",
-                        help="replay the real runs of --real on the table's CPU kind")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if args.reality:
-        print(reality(args.real, args.table))
+        print(reality(args.real, args.table[0]))
         return
     if args.render:
         print(render(args.render, args.plot))
         return
     if min(args.budget, args.workers, args.repetitions, args.jobs) < 1:
-        parser.error("--budget, --workers, --repetitions and --jobs must be at least 1")
+        parser().error("--budget, --workers, --repetitions and --jobs must be at least 1")
+    missing = [p for p in args.table if not p.is_file()]
+    if missing:
+        parser().error(f"no table at {missing[0]}")
+    if "bohb" in args.policies and not peer_syne.available():
+        parser().error(f"the bohb peer needs Syne Tune at {peer_syne.PYTHON}: "
+                       "python3 -m venv .venv-syne && .venv-syne/bin/pip install -r "
+                       "benchmarks/peers/syne.txt (or leave it out of --policies)")
     result = run(args)
-    for peer, figures in result["versus"].items():
-        print(f"{args.budget} trials x {args.workers} workers, hpo vs {peer}: "
-              f"G1 {figures['g1']:.2f} (ties {figures['ties']:.2f}), "
-              f"median G2 {figures['g2_median']:.2f}")
+    for peer, f in [*result["versus"].items(), *result["nulls"].items()]:
+        print(f"{args.mode}, {args.budget} x {args.workers}, {peer}: auc_ratio "
+              f"{f['auc_ratio']:.3f} ({span(f['auc_ratio_interval'], 3)}), final regret "
+              f"diff {f['final_regret_diff']:+.3f}, G1 strict {f['g1_strict']:.2f}")
     if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, separators=(",", ":")))
 
 

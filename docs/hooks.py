@@ -2,7 +2,8 @@
 
 The benchmark tables live beside the benchmark scripts that print them, so the site shows
 that file itself rather than a copy in docs/ that could drift from it. Its plots
-(benchmarks/*.png, referenced by bare name) are served beside the page. A relative link into
+(benchmarks/*.png and benchmarks/results/*.png, referenced by their paths from
+benchmarks/) are served beside the page. A relative link into
 the repository would leave docs/, which strict mode refuses: one to the README becomes the home
 page, one to any other file its plain text.
 """
@@ -17,7 +18,8 @@ LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 
 def on_files(files, config):
     benchmarks = Path(config.config_file_path).parent / "benchmarks"
-    images = sorted(path.name for path in benchmarks.glob("*.png"))
+    images = sorted(path.relative_to(benchmarks).as_posix()
+                    for path in benchmarks.rglob("*.png"))
 
     def relink(match: re.Match) -> str:
         _, text, target = match.groups()

@@ -82,6 +82,30 @@ def test_a_world_fixes_each_points_training_seed_and_worlds_differ(curves):
     assert len(set(draws.values())) == 2  # both recorded seeds are read
 
 
+def test_a_worlds_seed_is_drawn_per_model_batch_and_rate_the_same_at_every_decay(curves):
+    """Weight decay moves the best score by less than the seeds' noise: drawn per grid
+    point, it would turn the decay into a noise dimension."""
+    for world in range(10):
+        # Seed s adds 0.01 s and decay d takes 0.1 d: the seed is what is left.
+        seeds = {round((curves.lookup(MINILM, "none", 16, 1e-4, wd, world).scores[2]
+                        - curves.lookup(MINILM, "none", 16, 1e-4, 0.0, 0).scores[2]
+                        + 0.1 * wd) / 0.01) for wd in (0.0, 0.05, 0.1)}
+        assert len(seeds) == 1
+
+
+def test_a_seed_recorded_at_only_some_points_is_not_drawn():
+    made = made_up_table(seeds=3)
+    made["rows"] = [r for r in made["rows"] if r[5] < 2 or r[3] == 1e-5]
+    assert replay.Curves(made).seeds == [0, 1]
+
+
+def test_a_random_configurations_median_is_the_grids_last_epoch_median(curves):
+    import statistics
+
+    assert curves.random_median(0) == statistics.median(
+        curves._row(point, 0)["f1"][-1] for point in curves.by_point)
+
+
 def test_first_tokenization_and_batch_search_costs_come_from_the_table(curves):
     assert curves.costs.tokenization == {MINILM: 5.0, TINY: 5.0}
     assert curves.costs.batch_search[(MINILM, "none", 8)] == 3.0
@@ -127,8 +151,7 @@ def config(model: str, batch: int = 16) -> replay.Config:
 
 def test_one_worker_runs_trials_back_to_back_paying_first_costs_once(curves):
     policy = Scripted([config(MINILM), config(MINILM), config(TINY)], stop_at={1: 2})
-    trials = replay.simulate(policy, curves, 0, budget=3, workers=1, epochs=4,
-                             searches_batches=True)
+    trials = replay.simulate(policy, curves, 0, 1, budget=3, searches_batches=True)
     # start-up 1; set-up 2 + tokenization 5 + batch search 3; 4 epochs of 10 s
     assert [(t.start, t.end, t.state) for t in trials] == [
         (1.0, 51.0, "COMPLETE"),
@@ -136,22 +159,21 @@ def test_one_worker_runs_trials_back_to_back_paying_first_costs_once(curves):
         (73.0, 87.0, "COMPLETE")]  # tiny-bert: 2 + 5 + 3 + 4 x 1
     assert policy.told == [(0, False), (1, True), (2, False)]
     assert trials[0].value == max(trials[0].scores) and trials[1].value is None
-    assert replay.wall(trials, 3) == 87.0
+    assert replay.wall(trials) == 87.0
 
 
 def test_a_models_first_batch_search_covers_every_later_batch(curves):
     """As hpo does: the first search of a model and precision probes up to the physical
     limit, so a later trial at another effective batch pays no search."""
     policy = Scripted([config(TINY, batch=8), config(TINY, batch=32)])
-    trials = replay.simulate(policy, curves, 0, budget=2, workers=1, epochs=4,
-                             searches_batches=True)
+    trials = replay.simulate(policy, curves, 0, 1, budget=2, searches_batches=True)
     # start-up 1; 2 + 5 + 3 + 4 x 1 = 14; then 2 + 4 x 1 = 6, no search
     assert [(t.start, t.end) for t in trials] == [(1.0, 15.0), (15.0, 21.0)]
 
 
 def test_asks_see_exactly_the_reports_made_before_them(curves):
     policy = Scripted([config(TINY), config(MINILM), config(TINY), config(TINY)])
-    trials = replay.simulate(policy, curves, 0, budget=4, workers=2, epochs=4)
+    trials = replay.simulate(policy, curves, 0, 2, budget=4)
     # Both workers ask at the start-up. The tiny-bert trial reports at 9, 10, 11 and 12,
     # and its worker asks at 12 having heard those 4. The next tiny-bert trial reports at
     # 15, 16, 17 and 18, where MiniLM's first epoch ends too, and came first: 9 heard.
@@ -159,78 +181,148 @@ def test_asks_see_exactly_the_reports_made_before_them(curves):
     assert [t.end for t in trials] == [12.0, 18.0, 24.0, 48.0]
 
 
-def test_hpo_keeps_starting_trials_until_the_horizon(curves):
+def test_compute_mode_starts_trials_until_the_horizon_and_counts_those_done_by_then(curves):
     policy = Scripted([config(TINY)] * 10)
-    trials = replay.simulate(policy, curves, 0, budget=2, workers=1, epochs=2, horizon=30.0)
-    # 1 + 7 + 2 x 1, then 2 + 2 x 1 each: ends 10, 14, 18, 22, 26 and 30 (started at 26)
-    assert len(trials) == 6 and trials[-1].start < 30.0 <= trials[-1].end
+    trials = replay.simulate(policy, curves, 0, 1, horizon=29.0)
+    # 1 + 2 + 5 + 4 x 1, then 2 + 4 x 1 each: ends 12, 18 and 24; the fourth, started at
+    # 24 before the horizon, would end at 30 after it: not counted.
+    assert [t.end for t in trials] == [12.0, 18.0, 24.0] and len(policy.heard) == 4
 
 
-def test_g1_counts_ties_apart_and_g2_is_infinite_where_hpo_never_gets_there():
-    reps = [
-        {"hpo": {"steps": [[10, 0.5], [30, 0.7]]}, "peer": {"wall": 40, "steps": [[40, 0.6]]}},
-        {"hpo": {"steps": [[10, 0.6]]}, "peer": {"wall": 40, "steps": [[20, 0.6]]}},
-        {"hpo": {"steps": [[10, 0.5]]}, "peer": {"wall": 40, "steps": [[20, 0.6]]}},
-    ]
-    figures = replay.versus(reps, "peer")
-    assert figures["g1"] == pytest.approx(2 / 3, abs=1e-3)
-    assert figures["ties"] == pytest.approx(1 / 3, abs=1e-3)
-    assert figures["g1_strict"] == pytest.approx(1 / 3, abs=1e-3)
-    assert figures["g2_median"] == pytest.approx(0.75)  # 30/40, 10/40, never
-    assert figures["never"] == 1
-    low, high = figures["g1_interval"]
-    assert 0 < low < 2 / 3 < high < 1
+def demo_study(*sets: str):
+    from hpo import study_files
 
-
-def test_the_intervals_are_wilsons_for_g1_and_order_statistics_for_the_median_g2():
-    # 67 of 100: Wilson's 95% interval is 0.573-0.754, short of a goal of 0.8.
-    assert replay.share_interval(67, 100) == [0.573, 0.754]
-    assert replay.share_interval(100, 100)[1] == 1.0
-    # 100 values: the median lies between the 40th and 61st (binomial(100, 1/2) at 2.5%).
-    values = [float(v) for v in range(1, 101)]
-    assert replay.median_interval(values) == [40.0, 61.0]
-    assert replay.median_interval([*values[:55], *[math.inf] * 45]) == [40.0, math.inf]
-    # 5 values hold their median between the extremes only 94% of the time: no interval.
-    assert replay.median_interval([0.1, 0.2, 0.3, 0.4, 0.5]) is None
-    assert replay.median_interval([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]) == [0.1, 0.6]
+    return study_files.load(study_files.study_path("demo"), ["training.epochs=4", *sets])
 
 
 def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(curves):
-    from hpo import study_files
-
-    study = study_files.load(study_files.study_path("demo"), ["training.epochs=4"])
-    policy = replay.hpo_policy(study, curves, seed=3)
+    ground = replay.Ground(demo_study(), curves)
+    policy = replay.hpo_policy(ground.study, ground, 3, "hpo")
     assert isinstance(policy.study.pruner, optuna.pruners.SuccessiveHalvingPruner)
     assert isinstance(policy.study.sampler, optuna.samplers.TPESampler)
-    trials = replay.simulate(policy, curves, 0, budget=8, workers=2, epochs=4,
-                             searches_batches=True)
+    trials = replay.simulate(policy, curves, 0, 2, budget=8, searches_batches=True)
     assert len(trials) == 8 and {t.config.precision for t in trials} == {"none"}
     assert {t.config.model for t in trials} <= {MINILM, TINY}
-    again = replay.simulate(replay.hpo_policy(study, curves, seed=3), curves, 0, budget=8,
-                            workers=2, epochs=4, searches_batches=True)
+    again = replay.simulate(replay.hpo_policy(ground.study, ground, 3, "hpo"), curves, 0, 2,
+                            budget=8, searches_batches=True)
     assert [t.config for t in again] == [t.config for t in trials]  # seeded: it repeats
 
 
-def test_every_policy_runs_and_the_output_holds_g1_and_g2_per_peer(tmp_path):
+def test_the_peers_settings_are_stated_and_hpo_as_expert_is_set_as_the_expert(curves):
+    ground = replay.Ground(demo_study(), curves)
+    built = {p.name: p for p, _ in replay.policies(
+        ["novice", "expert", "expert-copy", "hpo-as-expert"], ground, 5)}
+    startup = ground.study.study.sampler.n_startup_trials
+    for name in ("novice", "expert", "expert-copy", "hpo-as-expert"):
+        sampler = built[name].study.sampler
+        assert isinstance(sampler, optuna.samplers.TPESampler)
+        assert sampler._n_startup_trials == startup, name  # Optuna's private name
+    as_expert = replay.as_expert(ground.study)
+    assert (as_expert.study.pruner.name, as_expert.study.pruner.n_startup_trials,
+            as_expert.study.pruner.n_warmup_steps) == ("median", 4, 1)
+    pruner = built["expert"].study.pruner
+    assert isinstance(pruner, optuna.pruners.MedianPruner)
+    # The expert reports its last epoch and tells its best (peer_trainer.py); the novice
+    # tells its last.
+    assert built["expert"].report_value([0.5, 0.4]) == 0.4
+    assert built["expert"].tell_value([0.5, 0.4]) == 0.5
+    assert built["hpo-as-expert"].tell_value([0.5, 0.4]) == 0.5
+    assert built["hpo-as-expert"].report_value([0.5, 0.4]) == 0.4
+    assert built["novice"].tell_value([0.5, 0.4]) == 0.4
+
+
+def shipped() -> replay.Ground:
+    table = replay.tables.read(REPO / "benchmarks" / "tables" / "demo.jsonl")
+    return replay.Ground(replay.table_study(table), table)
+
+
+def test_on_a_table_hpo_runs_its_schemas_defaults_and_every_policy_its_spaces_values():
+    ground = shipped()
+    assert ground.study.study.sampler == replay.config_module.SamplerConfig()
+    assert ground.study.study.pruner == replay.config_module.PrunerConfig()
+    assert ground.epochs == 4
+    names = ["hpo", "novice", "expert", "expert-copy", "hpo-as-expert", "random",
+             "tpe-hyperband"]
+    for policy, searches in replay.policies(names, ground, 0):
+        trials = replay.simulate(policy, ground.table, 0, 2, budget=6)
+        assert len(trials) == 6 and not searches
+        assert all(set(t.config.as_dict()) == set(ground.table.space) for t in trials)
+
+
+def test_a_policy_against_a_copy_of_itself_with_other_seeds_comes_out_level():
+    ground = shipped()
+    setting = replay.Setting("trials", 8, 2, ("expert", "expert-copy", "hpo-as-expert"))
+    reps = [replay.race(replay.policies(list(setting.names), ground, w), ground.table, w,
+                        setting, math.inf) for w in range(16)]
+    for a, b in replay.NULLS:
+        assert replay.yardstick.level(replay.yardstick.compare(reps, a, b)), (a, b)
+
+
+def test_a_policy_better_by_construction_comes_out_ahead():
+    """The same random search at a third of the seconds: at equal compute it finds at least
+    as much, sooner."""
+    ground = shipped()
+    setting = replay.Setting("compute", 8, 1, ("fast", "slow"))
+    reps = []
+    for world in range(12):
+        chosen = []
+        for name, factor in (("fast", 1.0), ("slow", 3.0)):
+            study = replay.new_study(world, optuna.samplers.RandomSampler(seed=world),
+                                     optuna.pruners.NopPruner())
+            chosen.append((replay.OptunaPolicy(
+                name, study, replay.sampling(ground.table.space, replay.table_config),
+                slowdowns={"table": factor}), False))
+        reps.append(replay.race(chosen, ground.table, world, setting, 300.0))
+    found = replay.yardstick.compare(reps, "fast", "slow")
+    assert found["auc_ratio_interval"][1] < 1.0 and found["g1_strict"] > 0.5
+
+
+def main_run(tmp_path, *args: str) -> dict:
+    output = tmp_path / "out.json"
+    replay.main(["--output", str(output), *args])
+    return json.loads(output.read_text())
+
+
+def test_every_policy_runs_and_the_output_holds_the_yardsticks_figures(tmp_path):
     table = tmp_path / "table.json"
     made = made_up_table()
     made["machine"] = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())[
         "runs"][0]["machine"]
     table.write_text(json.dumps(made))
-    output = tmp_path / "out.json"
-    names = [p for p in replay.PEERS if p != "ray"]
-    replay.main(["--budget", "6", "--workers", "2", "--repetitions", "2", "--table",
-                 str(table), "--output", str(output), "--policies", *names])
-    result = json.loads(output.read_text())
+    names = [p for p in replay.PEERS if p not in ("ray", "ray-rf2", "bohb")]
+    result = main_run(tmp_path, "--budget", "6", "--workers", "2", "--repetitions", "2",
+                      "--table", str(table), "--policies", *names, "expert-copy",
+                      "hpo-as-expert")
     assert set(result["versus"]) == set(names)
     for figures in result["versus"].values():
-        assert 0 <= figures["g1"] <= 1 and figures["g2_median"] >= 0
+        for key in ("auc_ratio", "auc_ratio_interval", "final_regret_diff",
+                    "final_regret_diff_interval", "g1_strict", "g1_interval", "g2_median"):
+            assert key in figures
+    assert set(result["nulls"]) == {"expert-copy vs expert", "hpo-as-expert vs expert"}
+    assert all("level" in f for f in result["nulls"].values())
+    assert result["mode"] == "compute" and len(result["horizons"]) == 1
+    assert result["machine"] and result["versions"]["optuna"] == optuna.__version__
     assert result["measured"]["slowdowns"]["novice"]  # measured on that machine's runs
     assert len(result["repetitions_data"]) == 2
 
 
-def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_path,
-                                                                          monkeypatch):
+def test_compute_modes_horizon_is_the_median_wall_of_the_novices_trials(tmp_path):
+    table = str(REPO / "benchmarks" / "tables" / "demo.jsonl")
+    trials = main_run(tmp_path, "--mode", "trials", "--budget", "5", "--repetitions", "3",
+                      "--table", table, "--policies", "novice")
+    walls = [rep["novice"]["wall"] for rep in trials["repetitions_data"]]
+    computed = main_run(tmp_path, "--mode", "compute", "--budget", "5", "--repetitions", "3",
+                        "--table", table, "--policies", "novice", "random")
+    assert computed["horizons"] == [sorted(walls)[1]]
+    for rep in computed["repetitions_data"]:
+        assert rep["world"]["horizon"] == sorted(walls)[1]
+        assert all(step[0] <= sorted(walls)[1] for step in rep["random"]["steps"])
+    given = main_run(tmp_path, "--mode", "compute", "--horizon", "50", "--repetitions", "1",
+                     "--table", table, "--policies", "random")
+    assert given["horizons"] == [50.0]
+
+
+def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_path):
     real = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())
     made = made_up_table()
     made["machine"] = real["runs"][0]["machine"]
@@ -238,71 +330,65 @@ def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_p
     assert facts.startup["expert"] != facts.startup["hpo"] and facts.slowdowns["expert"]
     curves = replay.Curves(made)
     assert curves.costs.batch_search
-    priced: list[tuple] = []
-
-    def simulate(policy, table, *args, **kwargs):
-        priced.append((policy.name, policy.startup, policy.gap,
-                       policy.slowdown(table.models[0]), table.costs.batch_search))
-        return real_simulate(policy, table, *args, **kwargs)
-
-    real_simulate = replay.simulate
-    monkeypatch.setattr(replay, "simulate", simulate)
-    study = replay.study_files.load(replay.study_files.study_path("demo"))
-    replay.repetition(["hpo", "expert", "novice"], study, curves, 0, budget=4, workers=1,
-                      facts=replay.even(facts, curves))
-    assert sorted(p[0] for p in priced) == ["expert", "hpo", "novice"]
-    for policy in priced:
-        assert policy[1:] == (facts.startup["hpo"], facts.gaps["hpo"], 1.0, {}), policy
-    # The command line says so in its output.
+    ground = replay.Ground(demo_study(), curves, replay.even(facts, curves))
+    assert curves.costs.batch_search == {}
+    for policy, _ in replay.policies(["hpo", "expert", "novice"], ground, 0):
+        assert (policy.startup, policy.gap, policy.slowdown(MINILM)) == (
+            facts.startup["hpo"], facts.gaps["hpo"], 1.0), policy.name
     table = tmp_path / "table.json"
     table.write_text(json.dumps(made))
-    output = tmp_path / "out.json"
-    replay.main(["--budget", "4", "--repetitions", "1", "--table", str(table), "--output",
-                 str(output), "--policies", "expert", "--even-costs"])
-    result = json.loads(output.read_text())
+    result = main_run(tmp_path, "--budget", "4", "--repetitions", "1", "--table", str(table),
+                      "--policies", "expert", "--even-costs")
     assert result["even_costs"] and result["measured"]["slowdowns"] == {}
     assert set(result["measured"]["startup"].values()) == {facts.startup["hpo"]}
 
 
 def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
     pytest.importorskip("ray.tune", reason="Ray Tune comes with '.[bench]'")
-    from hpo import study_files
+    space = replay.plain_space(demo_study().search_space)
+    for factor in (4, 2):
+        policy = replay.RayPolicy("ray", space, replay.demo_config("none"), 0, 4, 6, factor)
+        assert policy.scheduler._reduction_factor == factor  # Ray's private name
+        trials = replay.simulate(policy, curves, 0, 2, budget=12)
+        assert len(trials) == 12
+        assert any(t.state == "PRUNED" for t in trials)  # stopped at a rung
 
-    study = study_files.load(study_files.study_path("demo"), ["training.epochs=4"])
-    policy = replay.RayPolicy("ray", study.search_space, "none", 0, 4, 6)
-    trials = replay.simulate(policy, curves, 0, budget=12, workers=2, epochs=4)
-    assert len(trials) == 12
-    # ASHA (reduction factor 2) stops some trials at the first or second rung.
-    assert any(t.state == "PRUNED" for t in trials)
+
+def test_bohb_is_syne_tunes_own_scheduler_in_its_environment():
+    if not replay.peer_syne.available():
+        pytest.skip("Syne Tune's environment: benchmarks/peers/syne.txt")
+    ground = shipped()
+    (policy, _), = replay.policies(["bohb"], ground, 0)
+    trials = replay.simulate(policy, ground.table, 0, 2, budget=20)
+    policy.close()
+    replay.peer_syne.shutdown()
+    assert len(trials) == 20 and any(t.state == "PRUNED" for t in trials)
+    assert all(set(t.config.as_dict()) == set(ground.table.space) for t in trials)
 
 
-def test_iqm_is_the_mean_of_the_middle_half():
-    import numpy as np
-
-    assert replay.iqm(np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 100.0])) == 3.5
+def test_without_syne_tunes_environment_bohb_is_refused_in_one_line(tmp_path, capsys,
+                                                                     monkeypatch):
+    monkeypatch.setattr(replay.peer_syne, "PYTHON", tmp_path / "none")
+    with pytest.raises(SystemExit) as ended:
+        replay.main(["--policies", "bohb"])
+    assert ended.value.code == 2 and "benchmarks/peers/syne.txt" in capsys.readouterr().err
 
 
 def rendered_run(tmp_path) -> Path:
     out = tmp_path / "out.json"
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps(made_up_table()))
     replay.main(["--budget", "4", "--workers", "1", "--repetitions", "3", "--table",
-                 str(table), "--output", str(out), "--policies", "random", "expert"])
+                 str(REPO / "benchmarks" / "tables" / "demo.jsonl"), "--output", str(out),
+                 "--policies", "random", "expert", "expert-copy"])
     return out
 
 
-def test_render_writes_a_row_per_setting_and_peer_and_the_regret_bands_hold_the_iqm(
-        tmp_path):
-    out = rendered_run(tmp_path)
-    text = replay.render([out], None)
-    assert "| 4 trials x 1 | random |" in text and "| 4 trials x 1 | expert |" in text
-    _, curves = replay.regret_curves(json.loads(out.read_text()))
-    mean, low, high = curves["expert"]
-    assert (low <= mean + 1e-9).all() and (mean <= high + 1e-9).all()
-    assert mean[-1] <= mean[0]  # the best so far only improves
+def test_render_writes_a_row_per_peer_and_null_check(tmp_path):
+    text = replay.render([rendered_run(tmp_path)], None)
+    assert "| demo | compute | 4 x 1 | random |" in text
+    assert "| null: expert-copy vs expert (level) |" in text or "(NOT level)" in text
 
 
-def test_render_plots_the_regret_curves(tmp_path):
+def test_render_plots_regret_and_rank_over_time(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot's matplotlib comes with '.[bench]'")
     replay.render([rendered_run(tmp_path)], tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
@@ -322,54 +408,42 @@ def test_reality_replays_the_real_runs_of_the_tables_cpu_kind(tmp_path, capsys):
     assert [row.split(" | ")[1] for row in rows] == ["novice", "expert", "hpo"]
 
 
-def test_a_variant_is_hpo_with_overrides_scored_as_a_peer(tmp_path):
+def test_a_variant_is_hpo_with_overrides_scored_as_a_peer(tmp_path, curves):
     table = tmp_path / "table.json"
     table.write_text(json.dumps(made_up_table()))
-    output = tmp_path / "out.json"
-    replay.main(["--budget", "6", "--repetitions", "2", "--table", str(table), "--output",
-                 str(output), "--policies", "--variant",
-                 "hb2=study.pruner.name=hyperband;study.pruner.reduction_factor=2"])
-    result = json.loads(output.read_text())
+    result = main_run(tmp_path, "--budget", "6", "--repetitions", "2", "--table", str(table),
+                      "--policies", "--variant",
+                      "hb2=study.pruner.name=hyperband;study.pruner.reduction_factor=2")
     assert list(result["versus"]) == ["hb2"]
-    study = replay.study_files.load(replay.study_files.study_path("demo"))
-    facts = replay.Measured({}, {}, 0)
-    (policy, searches), = replay.policies(["hb2"], study, replay.Curves(made_up_table()), 0,
-                                          facts, {"hb2": ["study.pruner.name=hyperband"]})
+    (policy, searches), = replay.policies(["hb2"], replay.Ground(demo_study(), curves), 0,
+                                          {"hb2": ["study.pruner.name=hyperband"]})
     assert isinstance(policy.study.pruner, optuna.pruners.HyperbandPruner) and searches
 
 
-def test_hpo_set_changes_hpos_defaults_alone_and_the_output_names_them(tmp_path):
+def test_hpo_set_changes_hpos_defaults_alone_and_the_output_names_them(tmp_path, curves):
     table = tmp_path / "table.json"
     table.write_text(json.dumps(made_up_table()))
-    output = tmp_path / "out.json"
-    replay.main(["--budget", "6", "--repetitions", "2", "--table", str(table), "--output",
-                 str(output), "--policies", "tpe-hyperband",
-                 "--hpo-set", "study.pruner.name=median", "--hpo-set",
-                 "study.sampler.multivariate=false"])
-    result = json.loads(output.read_text())
+    result = main_run(tmp_path, "--budget", "6", "--repetitions", "2", "--table", str(table),
+                      "--policies", "tpe-hyperband", "--hpo-set", "study.pruner.name=median",
+                      "--hpo-set", "study.sampler.multivariate=false")
     assert result["hpo_sets"] == ["study.pruner.name=median", "study.sampler.multivariate=false"]
     assert list(result["versus"]) == ["tpe-hyperband"]
-    study = replay.study_files.load(replay.study_files.study_path("demo"))
-    chosen = replay.policies(["hpo", "tpe-hyperband"], study, replay.Curves(made_up_table()), 0,
-                             replay.Measured({}, {}, 0), {"hpo": result["hpo_sets"]})
+    chosen = replay.policies(["hpo", "tpe-hyperband"], replay.Ground(demo_study(), curves), 0,
+                             {"hpo": result["hpo_sets"]})
     (ours, _), (peer, _) = chosen
     assert isinstance(ours.study.pruner, optuna.pruners.MedianPruner)
     assert isinstance(peer.study.pruner, optuna.pruners.HyperbandPruner)
 
 
-def test_every_optuna_study_is_named_by_its_seed_so_hyperbands_brackets_repeat(tmp_path):
+def test_every_optuna_study_is_named_by_its_seed_so_hyperbands_brackets_repeat(tmp_path,
+                                                                            curves):
     # Optuna's HyperbandPruner hashes the study's name into a trial's bracket: a nameless
     # study would draw it anew in every run of the replay.
-    study = replay.study_files.load(replay.study_files.study_path("demo"))
-    chosen = replay.policies([p for p in replay.PEERS if p != "ray"], study,
-                             replay.Curves(made_up_table()), 7, replay.Measured({}, {}, 0))
-    names = {policy.study.study_name for policy, _ in chosen}
-    assert names == {"replay-7"}
+    names = [p for p in replay.PEERS if p not in ("ray", "ray-rf2", "bohb")]
+    chosen = replay.policies(names, replay.Ground(demo_study(), curves), 7)
+    assert {policy.study.study_name for policy, _ in chosen} == {"replay-7"}
     table = tmp_path / "table.json"
     table.write_text(json.dumps(made_up_table()))
-    runs = []
-    for run in ("a", "b"):
-        replay.main(["--budget", "12", "--repetitions", "1", "--table", str(table),
-                     "--output", str(tmp_path / f"{run}.json"), "--policies", "tpe-hyperband"])
-        runs.append(json.loads((tmp_path / f"{run}.json").read_text())["repetitions_data"])
+    runs = [main_run(tmp_path, "--budget", "12", "--repetitions", "1", "--table", str(table),
+                     "--policies", "tpe-hyperband")["repetitions_data"] for _ in range(2)]
     assert runs[0] == runs[1]
