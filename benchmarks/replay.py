@@ -686,38 +686,51 @@ def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
 def policies(names: list[str], ground: Ground, seed: int,
              variants: dict[str, list[str]] | None = None) -> list[tuple[Policy, bool]]:
     """Each named policy for repetition `seed`, and whether it searches batches as hpo;
-    `variants` names hpo with `--set` overrides (one named "hpo" replaces hpo's defaults).
+    `variants` names hpo with `--set` overrides (one named "hpo" replaces hpo's defaults)."""
+    build = builders(ground, seed)
+    for label, sets in (variants or {}).items():
+        build[label] = functools.partial(
+            lambda sets, label: (hpo_policy(with_overrides(ground.study, *sets), ground, seed,
+                                            label), ground.demo), sets, label)
+    unknown = [n for n in names if n not in build]
+    if unknown:
+        raise SystemExit(f"unknown policy {unknown[0]}: choose from {', '.join(build)}")
+    return [build[name]() for name in names]
 
-    The peers as their users build them with the installed Optuna, every setting stated:
-    - `novice`: `Trainer.hyperparameter_search(backend="optuna")`: `TPESampler(seed=...,
-      n_startup_trials=<the study's>)`, otherwise Optuna 5's defaults (multivariate, constant
-      liar: the TPE hpo runs too); on the demo the median pruner judging at the Trainer's
-      global step (which only trials of one batch share), elsewhere no pruner; fp32; its
-      last epoch told;
-    - `expert`: the same TPE, `MedianPruner(n_startup_trials=4, n_warmup_steps=1)` at epoch
-      ends, the last epoch reported and the best told (benchmarks/peer_trainer.py), the
-      fastest native precision;
-    - `expert-copy`: the expert with other seeds; `hpo-as-expert`: hpo's code path set as
-      the expert (`as_expert`) paying the expert's costs: the two null checks;
-    - `ray`: Ray Tune's `OptunaSearch` (that TPE) and `ASHAScheduler` at Ray's defaults
-      (grace 1 epoch, reduction factor 4); `ray-rf2`: reduction factor 2;
-    - `random`: hpo with `sampler.name: random`, no pruner; `tpe-hyperband`: hpo with
-      Optuna's `HyperbandPruner` as it comes (first rung at one epoch);
-    - `bohb`: Syne Tune 0.13's asynchronous BOHB at its defaults (benchmarks/peer_syne.py);
-    - `prior` (demo): hpo with the literature's rates enqueued for each model.
-    """
+
+@dataclass(frozen=True)
+class PeerSpace:
+    """What a user's own script searches: the space, how a sampled set becomes what the
+    table reads (per tool: the novice's fp32, the expert's fastest precision), and each
+    tool's measured slowdown per model."""
+    space: dict[str, BaseDistribution]
+    config_of: dict[str, Callable[[dict[str, Any]], Any]]
+    slow: dict[str, dict[str, float]]
+
+
+def peer_space(ground: Ground) -> PeerSpace:
+    table, facts = ground.table, ground.facts
+    if not ground.demo:
+        return PeerSpace(table.space, {"novice": table_config, "expert": table_config}, {})
+    fastest = min(table.precisions, key=lambda p: sum(
+        table.seconds_per_epoch(m, p) for m in table.models))
+    return PeerSpace(plain_space(ground.study.search_space),
+                     {"novice": demo_config("none"), "expert": demo_config(fastest)},
+                     {tool: {m: facts.slowdowns.get(tool, {}).get(short(m), 1.0)
+                             for m in table.models} for tool in ("novice", "expert", "ray")})
+
+
+def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, bool]]]:
+    """The peers as their users build them with the installed Optuna (each setting stated
+    in benchmarks/README.md, "The search yardstick"): `novice`, `expert`, `ray` (ASHA at
+    Ray's reduction factor 4), `ray-rf2`, `random`, `tpe-hyperband`, `bohb` (Syne Tune's),
+    `prior` (the demo), hpo itself, and the null checks `expert-copy` (other seeds) and
+    `hpo-as-expert` (hpo's code path set as the expert, at the expert's costs)."""
     study, table, facts = ground.study, ground.table, ground.facts
     startup = study.study.sampler.n_startup_trials
     epochs = ground.epochs
-    if ground.demo:
-        space = plain_space(study.search_space)
-        fastest = min(table.precisions, key=lambda p: sum(
-            table.seconds_per_epoch(m, p) for m in table.models))
-        of = {"novice": demo_config("none"), "expert": demo_config(fastest)}
-        slow = {tool: {m: facts.slowdowns.get(tool, {}).get(short(m), 1.0)
-                       for m in table.models} for tool in ("novice", "expert", "ray")}
-    else:
-        space, of, slow = table.space, {"novice": table_config, "expert": table_config}, {}
+    peers = peer_space(ground)
+    space, of, slow = peers.space, peers.config_of, peers.slow
 
     def tpe(s: int) -> optuna.samplers.TPESampler:
         return optuna.samplers.TPESampler(seed=s, n_startup_trials=startup)
@@ -769,18 +782,15 @@ def policies(names: list[str], ground: Ground, seed: int,
         "tpe-hyperband": lambda: ours(with_overrides(
             study, "study.pruner.name=hyperband", "study.pruner.min_resource=1"),
             "tpe-hyperband"),
-        "bohb": lambda: (SynePolicy("bohb", space, of["expert"], seed, epochs),
-                         False),
+        # A user's Syne Tune script trains with the expert's Trainer set-up: its costs.
+        "bohb": lambda: (SynePolicy("bohb", space, of["expert"], seed, epochs,
+                                    startup=facts.startup.get("expert", 0.0),
+                                    slowdowns=slow.get("expert", {}),
+                                    gap=facts.gaps.get("expert", 0.0)), False),
     }
     if ground.demo:
         build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
-    for label, sets in (variants or {}).items():
-        build[label] = functools.partial(
-            lambda sets, label: ours(with_overrides(study, *sets), label), sets, label)
-    unknown = [n for n in names if n not in build]
-    if unknown:
-        raise SystemExit(f"unknown policy {unknown[0]}: choose from {', '.join(build)}")
-    return [build[name]() for name in names]
+    return build
 
 
 PEERS = ["novice", "expert", "ray", "ray-rf2", "random", "tpe-hyperband", "bohb"]

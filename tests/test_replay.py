@@ -12,7 +12,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import REPO
+from conftest import REPO, require
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import replay  # noqa: E402
@@ -355,8 +355,8 @@ def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
 
 
 def test_bohb_is_syne_tunes_own_scheduler_in_its_environment():
-    if not replay.peer_syne.available():
-        pytest.skip("Syne Tune's environment: benchmarks/peers/syne.txt")
+    require(replay.peer_syne.available(), "Syne Tune's environment: python3 -m venv "
+            ".venv-syne && .venv-syne/bin/pip install -r benchmarks/peers/syne.txt")
     ground = shipped()
     (policy, _), = replay.policies(["bohb"], ground, 0)
     trials = replay.simulate(policy, ground.table, 0, 2, budget=20)
