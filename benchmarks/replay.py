@@ -50,6 +50,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import warnings
@@ -951,6 +952,14 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def where(result: dict) -> str:
+    """The tables of a result in a few words: "demo", or "lcbench (34 tables)"."""
+    names = sorted({t["name"] for t in result["tables"]})
+    if len(names) == 1:
+        return names[0]
+    return f"{os.path.commonprefix(names).rstrip('-_') or 'tables'} ({len(names)} tables)"
+
+
 def span(bounds: list[float] | None, digits: int = 2) -> str:
     return "-" if bounds is None else f"{bounds[0]:.{digits}f} to {bounds[1]:.{digits}f}"
 
@@ -961,7 +970,6 @@ def render(paths: list[Path], plot: Path | None) -> str:
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     results = [json.loads(p.read_text()) for p in paths]
     for r in results:
-        where = ", ".join(sorted({t["name"] for t in r["tables"]}))[:40]
         setting = f"{r['budget']} x {r['workers']}"
         rows = [(f"hpo vs {peer}", f) for peer, f in r["versus"].items()]
         rows += [(f"null: {pair}", f) for pair, f in r["nulls"].items()]
@@ -969,7 +977,7 @@ def render(paths: list[Path], plot: Path | None) -> str:
             g2 = "-" if f["g2_median"] is None else f"{f['g2_median']:.2f}"
             mark = "" if "level" not in f else (" (level)" if f["level"] else " (NOT level)")
             lines.append(
-                f"| {where} | {r['mode']} | {setting} | {label.removeprefix('hpo vs ')}{mark} | "
+                f"| {where(r)} | {r['mode']} | {setting} | {label.removeprefix('hpo vs ')}{mark} | "
                 f"{f['auc_ratio']:.3f} ({span(f['auc_ratio_interval'], 3)}) | "
                 f"{f['final_regret_diff']:+.3f} ({span(f['final_regret_diff_interval'], 3)}) | "
                 f"{f['g1_strict']:.2f} ({span(f['g1_interval'])}) | {g2} "
@@ -997,8 +1005,7 @@ def draw(results: list[dict], plot: Path) -> None:
             top.fill_between(found["shares"], found[name]["low"], found[name]["high"],
                              alpha=0.15)
             bottom.plot(found["shares"], found[name]["rank"], label=name)
-        where = ", ".join(sorted({t["name"] for t in r["tables"]}))[:30]
-        top.set_title(f"{where}: {r['mode']}, {r['budget']} x {r['workers']}, "
+        top.set_title(f"{where(r)}: {r['mode']}, {r['budget']} x {r['workers']}, "
                       f"{r['repetitions']} worlds", fontsize=9)
         for ax in (top, bottom):
             ax.set_xscale("log")
