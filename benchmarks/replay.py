@@ -1109,6 +1109,11 @@ def main(argv: list[str] | None = None) -> None:
     missing = [p for p in args.table if not p.is_file()]
     if missing:
         parser().error(f"no table at {missing[0]}")
+    for path in (p for p in args.table if p.suffix == ".jsonl"):
+        try:
+            tables.read(path)
+        except (ValueError, KeyError) as error:  # json's errors are ValueErrors
+            parser().error(f"table {path}: {error}")
     if "bohb" in args.policies and not peer_syne.available():
         parser().error(f"the bohb peer needs Syne Tune at {peer_syne.PYTHON}: "
                        "python3 -m venv .venv-syne && .venv-syne/bin/pip install -r "

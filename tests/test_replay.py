@@ -374,6 +374,15 @@ def test_without_syne_tunes_environment_bohb_is_refused_in_one_line(tmp_path, ca
     assert ended.value.code == 2 and "benchmarks/peers/syne.txt" in capsys.readouterr().err
 
 
+def test_a_malformed_table_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"table": "t", "space": {}}\n')
+    with pytest.raises(SystemExit) as ended:
+        replay.main(["--table", str(bad), "--policies", "random"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ended.value.code == 2 and str(bad) in err and "direction" in err
+
+
 def rendered_run(tmp_path) -> Path:
     out = tmp_path / "out.json"
     replay.main(["--budget", "4", "--workers", "1", "--repetitions", "3", "--table",
