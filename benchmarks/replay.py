@@ -265,13 +265,9 @@ class OptunaPolicy:
     report_value: Callable[[list[float]], float] = best
     tell_value: Callable[[list[float]], float] = best
     step_of: Callable[[int, Any], int] = by_epoch
-    sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None = None
 
     def ask(self) -> Running:
         trial = self.study.ask()
-        if self.sampler_for is not None:
-            # As hpo's worker does: one sampler per trial, seeded by the trial's number.
-            self.study.sampler = self.sampler_for(trial.number)
         return OptunaRunning(self.study, trial, self.sample(trial), self.report_value,
                              self.step_of, self.tell_value)
 
@@ -646,7 +642,7 @@ def table_study(table: tables.RecordedTable) -> config_module.StudyConfig:
 def hpo_policy(config: config_module.StudyConfig, ground: Ground, seed: int, name: str,
                costs_of: str = "hpo", report_value: Callable[[list[float]], float] | None = None
                ) -> OptunaPolicy:
-    """hpo's search as `hpo run` builds it: its sampler (seeded per trial), pruner, enqueued
+    """hpo's search as `hpo run` builds it: its sampler (seeded per trial number), pruner, enqueued
     sets and value rule from hpo's own functions; on the demo also its space and precision
     rule. `costs_of` names the tool whose measured costs it pays."""
     config = with_overrides(config, f"study.sampler.seed={seed}")
@@ -669,7 +665,7 @@ def hpo_policy(config: config_module.StudyConfig, ground: Ground, seed: int, nam
             for m in getattr(ground.table, "models", [])} if costs_of != "hpo" else {}
     return OptunaPolicy(name, study, sample, facts.startup.get(costs_of, 0.0), slow,
                         facts.gaps.get(costs_of, 0.0), report_value=report_value or value,
-                        tell_value=value, sampler_for=lambda n: make_sampler(config, n))
+                        tell_value=value)
 
 
 def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:

@@ -14,6 +14,8 @@ import optuna
 import pytest
 from conftest import REPO, require
 
+from hpo.study import PerTrialSeeded
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 import replay  # noqa: E402
 
@@ -199,7 +201,8 @@ def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(c
     ground = replay.Ground(demo_study(), curves)
     policy = replay.hpo_policy(ground.study, ground, 3, "hpo")
     assert isinstance(policy.study.pruner, optuna.pruners.SuccessiveHalvingPruner)
-    assert isinstance(policy.study.sampler, optuna.samplers.TPESampler)
+    assert isinstance(policy.study.sampler, PerTrialSeeded)  # as `hpo run` seeds it
+    assert isinstance(policy.study.sampler.sampler_for(0), optuna.samplers.TPESampler)
     trials = replay.simulate(policy, curves, 0, 2, budget=8, searches_batches=True)
     assert len(trials) == 8 and {t.config.precision for t in trials} == {"none"}
     assert {t.config.model for t in trials} <= {MINILM, TINY}
@@ -215,6 +218,8 @@ def test_the_peers_settings_are_stated_and_hpo_as_expert_is_set_as_the_expert(cu
     startup = ground.study.study.sampler.n_startup_trials
     for name in ("novice", "expert", "expert-copy", "hpo-as-expert"):
         sampler = built[name].study.sampler
+        if isinstance(sampler, PerTrialSeeded):
+            sampler = sampler.sampler_for(0)
         assert isinstance(sampler, optuna.samplers.TPESampler)
         assert sampler._n_startup_trials == startup, name  # Optuna's private name
     as_expert = replay.as_expert(ground.study)

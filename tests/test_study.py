@@ -279,6 +279,31 @@ def test_two_seeded_workers_run_enqueued_sets_once_and_never_repeat_each_other(
         storage.engine.dispose()
 
 
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_a_seeded_trial_draws_the_same_whichever_worker_asks_for_it(tiny_study, sampler):
+    """A trial's parameters follow from the seed, its number and the history alone: two
+    workers taking turns draw what one worker alone draws, past TPE's start-up trials."""
+    from hpo.study import make_sampler
+
+    config = load(tiny_study, [f"study.sampler.name={sampler}", "study.sampler.seed=7",
+                               "study.sampler.n_startup_trials=3"])
+
+    def search(turns: int) -> list[dict]:
+        storage = optuna.storages.InMemoryStorage()
+        workers = [optuna.create_study(study_name="s", storage=storage, load_if_exists=True,
+                                       sampler=make_sampler(config)) for _ in range(turns)]
+        for n in range(8):
+            study = workers[n % turns]
+            trial = study.ask()
+            x, y = trial.suggest_float("x", 1e-4, 1.0, log=True), trial.suggest_int("y", 1, 9)
+            study.tell(trial, -((x - 0.01) ** 2) - y)
+        return [t.params for t in workers[0].trials]
+
+    alone = search(1)
+    assert search(2) == alone and search(3) == alone
+    assert len({p["x"] for p in alone}) == 8
+
+
 def test_a_warm_start_runs_the_other_study_s_best_trials_first(tiny_study, tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
@@ -347,11 +372,15 @@ def test_the_sampler_settings_reach_optuna(tiny_study, monkeypatch):
     from hpo.study import make_sampler
     from hpo.study_files import load
 
+    def first_trial(*sets: str) -> None:
+        # A seeded study's sampler is made for each trial, when the trial is asked.
+        optuna.create_study(sampler=make_sampler(load(tiny_study, list(sets)))).ask()
+
     made = spy_on(monkeypatch, optuna.samplers, "TPESampler")
-    make_sampler(load(tiny_study, ["study.sampler.name=tpe"]))
+    first_trial("study.sampler.name=tpe")
     assert (made["multivariate"], made["group"], made["constant_liar"]) == (True, False, True)
-    make_sampler(load(tiny_study, ["study.sampler.name=tpe", "study.sampler.group=true",
-                                   "study.sampler.constant_liar=false"]))
+    first_trial("study.sampler.name=tpe", "study.sampler.group=true",
+                "study.sampler.constant_liar=false", "study.sampler.seed=3")
     assert (made["group"], made["constant_liar"]) == (True, False)
 
 

@@ -1,7 +1,6 @@
 """The worker loop: the study-wide total, the circuit breaker, and a dead worker's trial
 failed and retried by a live one. Real storages, real processes."""
 
-import functools
 import gc
 import signal
 import time
@@ -143,7 +142,7 @@ def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_pat
             study = optuna.create_study(study_name="w", storage=storage, load_if_exists=True,
                                         sampler=make_sampler(config))
             run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(),
-                       n_trials=n_trials, sampler_for=functools.partial(make_sampler, config))
+                       n_trials=n_trials)
         return [t.params["x"] for t in study.trials]
 
     restarted = search("restarted.db", (3, 6))

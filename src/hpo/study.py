@@ -7,7 +7,7 @@ import contextlib
 import functools
 import hashlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import cast
 
@@ -24,16 +24,24 @@ from hpo.space import PIN_ATTR, PinnedSpace, by_cost, pin
 from hpo.storage import ResilientRDBStorage, retry_callback
 
 
-def make_sampler(config: StudyConfig, trial_number: int | None = None
-                 ) -> optuna.samplers.BaseSampler:
-    """The study's sampler. With `sampler.seed`, the sampler for one trial is seeded from the
-    seed and the trial's number: a sampler seeded once per process would draw the same values
-    again in every worker and after every restart."""
+def make_sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
+    """The study's sampler. With `sampler.seed`, each trial draws from a sampler made for it
+    from the seed and the trial's number (`PerTrialSeeded`): a sampler seeded once per
+    process would draw the same values again in every worker and after every restart."""
+    seed = config.study.sampler.seed
+    if seed is None:
+        return _sampler(config, None)
+    return PerTrialSeeded(functools.partial(_seeded_sampler, config, seed))
+
+
+def _seeded_sampler(config: StudyConfig, seed: int, trial_number: int
+                    ) -> optuna.samplers.BaseSampler:
+    digest = hashlib.sha256(f"{seed}:{trial_number}".encode()).digest()
+    return _sampler(config, int.from_bytes(digest[:4], "little"))
+
+
+def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampler:
     sampler = config.study.sampler
-    seed = sampler.seed
-    if seed is not None and trial_number is not None:
-        digest = hashlib.sha256(f"{seed}:{trial_number}".encode()).digest()
-        seed = int.from_bytes(digest[:4], "little")
     if sampler.name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     with warnings.catch_warnings():
@@ -44,6 +52,61 @@ def make_sampler(config: StudyConfig, trial_number: int | None = None
             multivariate=sampler.multivariate, group=sampler.group,
             constant_liar=sampler.constant_liar,
         )
+
+
+class PerTrialSeeded(optuna.samplers.BaseSampler):
+    """A sampler whose draws for a trial depend only on the trial's number and the study's
+    history, not on which worker asked or how long it has run: every call is answered by
+    `make(trial.number)`, made once per trial. Optuna calls a sampler with the trial it is
+    for (`before_trial` at the claim, the samples at the first suggestion), so this needs
+    no hook in the worker's loop; the inner samplers keep no state between trials that a
+    fresh one lacks (TPE reads the history from the storage)."""
+
+    def __init__(self, make: Callable[[int], optuna.samplers.BaseSampler]) -> None:
+        self._make = make
+        self._number: int | None = None
+        self._inner: optuna.samplers.BaseSampler | None = None
+
+    def sampler_for(self, trial_number: int) -> optuna.samplers.BaseSampler:
+        """A new sampler as trial `trial_number` draws from."""
+        return self._make(trial_number)
+
+    def _for(self, trial: optuna.trial.FrozenTrial) -> optuna.samplers.BaseSampler:
+        if self._inner is None or self._number != trial.number:
+            self._number, self._inner = trial.number, self._make(trial.number)
+        return self._inner
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self._for(trial).before_trial(study, trial)
+
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+    ) -> dict[str, optuna.distributions.BaseDistribution]:
+        return self._for(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+        search_space: dict[str, optuna.distributions.BaseDistribution],
+    ) -> dict[str, object]:
+        return self._for(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial, param_name: str,
+        param_distribution: optuna.distributions.BaseDistribution,
+    ) -> object:
+        return self._for(trial).sample_independent(study, trial, param_name,
+                                                   param_distribution)
+
+    def after_trial(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+        state: TrialState, values: Sequence[float] | None,
+    ) -> None:
+        self._for(trial).after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        # Optuna reseeds a study's sampler for `optimize(n_jobs>1)`; a trial's draws here
+        # are fixed by its number, which is what seeding the study asked for.
+        return None
 
 
 def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:

@@ -7,7 +7,6 @@ executor's to say; the loop only counts failures in a row. What it says is worde
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 import warnings
@@ -35,7 +34,6 @@ from hpo.study import (
     decide_precisions,
     finished_count,
     join,
-    make_sampler,
 )
 
 # How often a worker that waits for the study's last trials looks again.
@@ -125,11 +123,9 @@ def work(
             isolation.in_child(config, pinned, device, url, storage)
             if config.training.isolate_trials else in_process(resources)
         )
-        seeded = config.study.sampler.seed is not None
         result = run_worker(
             study, storage, run_trial, reporter, n_trials=n_trials, timeout=timeout,
             max_consecutive_failures=config.study.max_consecutive_failures,
-            sampler_for=functools.partial(make_sampler, config) if seeded else None,
         )
     reporter.best(study)
     reporter.message(report.baseline_line(objective, baseline))
@@ -220,12 +216,8 @@ def _ask(study: optuna.Study) -> optuna.Trial:
 
 def _run_claimed(
     context: TrialContext, storage: ResilientRDBStorage, run_trial: TrialRunner, waiting: int,
-    sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None,
 ) -> tuple[Outcome, FrozenTrial]:
     trial = context.trial
-    if sampler_for is not None:
-        # Optuna samples when a parameter is first suggested, after ask().
-        context.study.sampler = sampler_for(trial.number)
     if waiting:
         # Optuna's retry callback marks the re-queued copy of a stale trial; only a waiting
         # trial can be one, and ask() takes waiting trials first.
@@ -265,14 +257,12 @@ def run_worker(
     timeout: float | None = None,
     max_consecutive_failures: int = 3,
     poll_seconds: float = POLL_SECONDS,
-    sampler_for: Callable[[int], optuna.samplers.BaseSampler] | None = None,
 ) -> WorkerResult:
     """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials.
 
     While the last trials run on other workers this worker waits, reaping stale trials, and
     takes over a slot that frees up (a failed trial, a re-queued retry). `timeout` stops it
     from claiming new trials; `max_consecutive_failures` FAILed trials in a row stop it.
-    `sampler_for` gives the sampler that draws a claimed trial's parameters from its number.
     """
     started = time.monotonic()
     study_id = storage.get_study_id_from_name(study.study_name)
@@ -317,8 +307,7 @@ def run_worker(
         waiting_said = False
         context = claimed(study, storage, trial, reporter)
         try:
-            outcome, finished = _run_claimed(context, storage, run_trial, counts.waiting,
-                                             sampler_for)
+            outcome, finished = _run_claimed(context, storage, run_trial, counts.waiting)
         except KeyboardInterrupt as stop:
             # From the claim on: a trial left RUNNING would hold a budget slot until reaped.
             # `context.trial`: a run carried over to its retry copy frees the copy.
