@@ -30,7 +30,7 @@ from throughput import (
 )
 
 from hpo.hardware import detect
-from hpo.models import quiet_transformers
+from hpo.training.models import quiet_transformers
 
 SHUFFLED = ("--length-noise", "1e12", "--rank-blur", "1e12")
 

@@ -5,7 +5,7 @@ many server connections does the fleet hold, and does a claim stay as cheap as t
     python benchmarks/fleet_scale.py claims [--sizes 0,1000,3000,10000]
 
 `fleet`: that many processes each open the storage as `hpo run` does and run hpo's worker loop
-(`hpo.worker.run_worker`: claims under the study lock, heartbeats, reaping, exact budget) with
+(`hpo.app.worker.run_worker`: claims under the study lock, heartbeats, reaping, exact budget) with
 trivial trials (one parameter, 12 user attributes, tell) on a fresh database of the machine's
 server. A monitor counts the database's server connections every 20 ms. When a worker's loop
 ends it stays idle, its storage open, until all have ended: the connections counted then are
@@ -114,10 +114,10 @@ def fleet_worker(url: str, trials: int, reports, go, release) -> None:
     import optuna
     from optuna.trial import TrialState
 
+    from hpo.app.worker import run_worker
     from hpo.errors import one_line
     from hpo.outcome import Outcome
-    from hpo.storage import open_storage
-    from hpo.worker import run_worker
+    from hpo.search.storage import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
@@ -255,9 +255,9 @@ def claims(sizes: list[int], per_size: int = 50) -> None:
     from optuna.distributions import FloatDistribution
     from optuna.trial import TrialState, create_trial
 
+    from hpo.app.worker import run_worker
     from hpo.outcome import Outcome
-    from hpo.storage import open_storage
-    from hpo.worker import run_worker
+    from hpo.search.storage import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     database = f"hpo_bench_{uuid.uuid4().hex[:10]}"

@@ -44,7 +44,7 @@ from search_quality import cpu_model, versions  # noqa: E402
 from hpo import config as config_module  # noqa: E402
 from hpo import study_files  # noqa: E402
 from hpo.hardware import detect, native_precisions  # noqa: E402
-from hpo.study import SPLITS  # noqa: E402
+from hpo.search.study import SPLITS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).resolve().parent / "learning_curves.json"

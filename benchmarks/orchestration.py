@@ -5,7 +5,7 @@ with a trivial objective so only the orchestration is timed.
     python benchmarks/orchestration.py [--workers 8] [--trials 400] [--repeats 3]
 
 Plain Optuna: each process runs study.optimize with MaxTrialsCallback(trials), Optuna's own
-budget (which overshoots). hpo: each process runs hpo.worker.run_worker, whose runner suggests
+budget (which overshoots). hpo: each process runs hpo.app.worker.run_worker, whose runner suggests
 the same parameter, sets the same number of user attributes as a real trial and tells.
 Each run gets a fresh database; the script prints a markdown table.
 """
@@ -47,9 +47,9 @@ def plain_worker(url: str, trials: int, start) -> None:
 
 
 def hpo_worker(url: str, trials: int, start) -> None:
+    from hpo.app.worker import run_worker
     from hpo.outcome import Outcome
-    from hpo.storage import open_storage
-    from hpo.worker import run_worker
+    from hpo.search.storage import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     storage = open_storage(url, heartbeat_interval=30, grace_period=120)

@@ -38,7 +38,7 @@ from hpo.data.batching import encode, pad_multiple, padded_width, training_steps
 from hpo.data.redsm5 import read_redsm5
 from hpo.data.splits import split_posts
 from hpo.data.tasks import Example, build_examples
-from hpo.models import ModelStore, quiet_transformers
+from hpo.training.models import ModelStore, quiet_transformers
 
 
 def efficiency(batches: Iterable[Sequence[int]], lengths: Sequence[int], *,

@@ -49,15 +49,15 @@ from transformers import (
     TrainingArguments,
 )
 
-from hpo import metrics
 from hpo.config import StudyConfig
 from hpo.data.redsm5 import label_names, read_redsm5
 from hpo.data.splits import split_posts
 from hpo.data.tasks import build_examples
 from hpo.hardware import detect, native_precisions
-from hpo.models import resolve
 from hpo.study_files import load, study_path
-from hpo.train import balanced_pos_weight
+from hpo.training import metrics
+from hpo.training.models import resolve
+from hpo.training.train import balanced_pos_weight
 
 EXPERT_EVAL_BATCH = 64
 

@@ -71,8 +71,8 @@ from tables import Costs, Curve, Point
 
 from hpo import config as config_module
 from hpo import study_files
+from hpo.search.study import make_pruner, make_sampler
 from hpo.space import PinnedSpace, by_cost, declare, suggest
-from hpo.study import make_pruner, make_sampler
 
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "learning_curves.json"

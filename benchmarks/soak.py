@@ -49,7 +49,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from hpo.launcher import exit_code
+from hpo.app.launcher import exit_code
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -231,7 +231,7 @@ def _read_status(args: list[str]) -> None:
 def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
           budget: int) -> list[tuple[str, bool, str]]:
     """Each check: (what, passed, the figures)."""
-    from hpo import artifacts as artifacts_module
+    from hpo.search import artifacts as artifacts_module
 
     runs = [run for worker in workers for run in worker.runs]
     codes = Counter(exit_code(code) for _, code, _ in runs)

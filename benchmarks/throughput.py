@@ -18,7 +18,7 @@ over repeats, scores the mean, and score differences are paired by seed.
 Posts are synthetic, ReDSM5-like: lognormal word counts (mean 295, capped at 6,990), each one
 demo post (data/demo; it gives the labels) followed by label-free demo posts as filler; train
 and validation take their labelled posts from disjoint halves of the demo. Samples/s counts
-training only (no tokenization, no evaluation); every run is scored by `hpo.train.predict`
+training only (no tokenization, no evaluation); every run is scored by `hpo.training.train.predict`
 on its final model (threshold 0.5). Prints a markdown report for benchmarks/README.md.
 
 A goal's verdict is the median over training seeds of hpo's samples/s over the other row's at
@@ -56,10 +56,10 @@ from hpo.data.batching import Encoded, encode
 from hpo.data.redsm5 import SYMPTOMS, Post, read_redsm5
 from hpo.data.tasks import Example, build_examples
 from hpo.hardware import Device, configure_backends, detect, native_precisions
-from hpo.memory import long_lived_frozen
-from hpo.metrics import f1_scores
-from hpo.models import ModelStore, quiet_transformers
-from hpo.train import Plan, balanced_pos_weight, predict, prepare, train
+from hpo.training.memory import long_lived_frozen
+from hpo.training.metrics import f1_scores
+from hpo.training.models import ModelStore, quiet_transformers
+from hpo.training.train import Plan, balanced_pos_weight, predict, prepare, train
 
 REPO = Path(__file__).resolve().parents[1]
 MEAN_WORDS, MAX_WORDS, SIGMA = 295, 6990, 1.0

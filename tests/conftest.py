@@ -40,7 +40,7 @@ CPU_AVX512_BF16 = Device(
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject's addopts): one test process per core this process may run on."""
-    from hpo.launcher import cores
+    from hpo.app.launcher import cores
 
     return cores()
 
@@ -54,7 +54,7 @@ def pytest_configure(config) -> None:
         return
     import torch
 
-    from hpo.launcher import cores, plan
+    from hpo.app.launcher import cores, plan
 
     # A CPU host's plan: every worker gets the same environment, threads as set where set.
     os.environ.update(plan(int(count), [], cores(), os.environ)[0].env)

@@ -170,7 +170,7 @@ def test_check_says_when_it_created_the_study_and_only_then(tiny_study, storage,
     # The check itself (a training step per combination) is hpo check's own test's; here only
     # what check says around it.
     ran = []
-    monkeypatch.setattr("hpo.commands._check", lambda *args, **kwargs: ran.append(args))
+    monkeypatch.setattr("hpo.app.commands._check", lambda *args, **kwargs: ran.append(args))
     command = ["check", "--config", str(tiny_study), "--storage", storage]
     assert main(command) == 0
     out = capsys.readouterr().out

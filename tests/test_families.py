@@ -117,13 +117,13 @@ def test_each_family_trains_a_trial_per_native_precision(family, replica, small_
         assert set(spies.fused) == {True}
         assert len(spies.zero_grads) >= steps and all(spies.zero_grads)
         # One scaler per check, probe and training run, enabled for fp16 only (this CPU runs
-        # no fp16 natively; tests/test_train.py shows the scaler on for an fp16 run).
+        # no fp16 natively; tests/training/test_train.py shows the scaler on for an fp16 run).
         assert spies.scalers and all(e == (precision == "fp16") for e in spies.scalers)
 
 
 def test_the_optimizer_falls_back_where_torch_has_no_fused_kernels():
     from hpo.hardware import fused_adamw
-    from hpo.train import Plan, make_optimizer
+    from hpo.training.train import Plan, make_optimizer
 
     assert fused_adamw("cpu") and not fused_adamw("meta")
     plan = Plan(precision="none", effective_batch=8, physical_batch=8, eval_batch=8,

@@ -15,7 +15,7 @@ import sqlalchemy
 
 from hpo import interrupts
 from hpo.errors import Terminated
-from hpo.storage import open_storage
+from hpo.search.storage import open_storage
 
 
 def send_once(engine: sqlalchemy.Engine, signum: int) -> None:

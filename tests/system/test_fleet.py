@@ -21,7 +21,7 @@ from conftest import start_worker
 from optuna.trial import TrialState
 from postgres import study_trials
 
-from hpo.worker import LOST_LOCK_CLAIM
+from hpo.app.worker import LOST_LOCK_CLAIM
 
 pytestmark = pytest.mark.slow
 

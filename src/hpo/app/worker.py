@@ -1,0 +1,328 @@
+"""A worker: its set-up (`prepare_worker`: device settings, the study joined, data and models
+loaded; then the check, the precisions decided and the trivial baseline recorded) and its loop,
+which claims trials under the exact study-wide budget, gives each its `TrialContext`, keeps its
+heartbeat (`liveness`) and reaps trials whose worker went silent. How a trial ended is the
+executor's to say; the loop only counts failures in a row. What it says is worded in
+`report`."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo import faults, hardware
+from hpo.app import console, isolation
+from hpo.app.console import ConsoleReporter
+from hpo.config import StudyConfig
+from hpo.data.splits import Splits
+from hpo.errors import WorkerStopped
+from hpo.hardware import Device
+from hpo.outcome import GivenBack, Outcome
+from hpo.search import artifacts, budget
+from hpo.search.liveness import heartbeat, reap
+from hpo.search.storage import ResilientRDBStorage
+from hpo.search.study import (
+    decide_precisions,
+    finished_count,
+    join,
+)
+from hpo.space import PinnedSpace
+from hpo.training import memory
+from hpo.trial import records, step_check
+from hpo.trial.context import TrialContext, TrialReporter, claimed
+from hpo.trial.executor import execute, free, give_back
+from hpo.trial.resources import Resources, load_resources
+
+# How often a worker that waits for the study's last trials looks again.
+POLL_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """A worker joined to its study, its data and models loaded, before any trial."""
+
+    study: optuna.Study
+    resources: Resources
+    finished: int  # the study's finished trials when the worker joined
+
+
+def prepare_worker(config: StudyConfig, splits: Splits, device: Device, url: str,
+                   storage: ResilientRDBStorage, reporter: ConsoleReporter, *,
+                   n_trials: float, verbose: bool) -> WorkerSetup:
+    """Join the study on this device, load the data and, unless trials run in their own
+    processes, the models; say what the worker joined and where the best models go."""
+    hardware.configure_backends(device)
+    study, pinned = join(config, storage, device, splits)
+    finished = finished_count(study)
+    for line in console.study_lines(config, url, device, splits, pinned, finished, n_trials):
+        reporter.message(line)
+    heartbeat_note = console.heartbeat_note(config, storage.heartbeat_interval,
+                                           storage.grace_period)
+    if heartbeat_note:
+        reporter.message(heartbeat_note)
+    pruning_note = config.pruning_note()
+    if pruning_note:
+        reporter.message(pruning_note)
+    resources = load_resources(config, pinned, device, splits)
+    if config.study.keep_best and not config.data.cv_folds:
+        resources.keeper = artifacts.keeper_for(config, url)
+    kept = console.kept_models_line(config, resources.keeper)
+    if kept:
+        reporter.message(kept)
+    small = console.small_data_warning(splits)
+    if small:
+        reporter.warning(small)
+    if finished < n_trials and not config.training.isolate_trials:
+        began = time.perf_counter()
+        sources = resources.preload()
+        if verbose:
+            reporter.message(console.preloaded_line(sources, time.perf_counter() - began))
+    return WorkerSetup(study, resources, finished)
+
+
+def work(
+    config: StudyConfig,
+    splits: Splits,
+    device: Device,
+    url: str,
+    storage: ResilientRDBStorage,
+    *,
+    n_trials: float,
+    timeout: float | None = None,
+    run_check: bool = True,
+    verbose: bool = False,
+    next_command: str | None = None,
+) -> None:
+    """Set the worker up and run trials until the study holds `n_trials` finished ones (or
+    `timeout` passes); raises WorkerStopped after too many failures in a row. Unless told
+    not to, the study's model x precision check runs first if no worker on this kind of
+    device has run it. `next_command` names the study for the closing advice (`--study
+    NAME` by default)."""
+    reporter = ConsoleReporter()
+    setup = prepare_worker(config, splits, device, url, storage, reporter, n_trials=n_trials,
+                           verbose=verbose)
+    study, resources = setup.study, setup.resources
+    next_command = next_command or f"--study {config.study.name}"
+    if setup.finished >= n_trials:
+        reporter.message(f"study '{config.study.name}' already has {setup.finished} finished "
+                         f"trials (asked for {n_trials:g}); nothing to do")
+        reporter.best(study)
+        reporter.message(f"next: hpo final {next_command}")
+        return
+    with memory.long_lived_frozen():
+        pinned = decide(study, storage, resources, resources.pinned, reporter, run_check,
+                        verbose)
+        objective = config.study.objective
+        baseline = resources.baseline().get(objective)
+        study.set_user_attr("baseline", {"name": console.BASELINE, objective: baseline})
+        study.set_user_attr("objective", objective)
+        run_trial = (
+            isolation.in_child(config, pinned, device, url, storage)
+            if config.training.isolate_trials else in_process(resources)
+        )
+        result = run_worker(
+            study, storage, run_trial, reporter, n_trials=n_trials, timeout=timeout,
+            max_consecutive_failures=config.study.max_consecutive_failures,
+        )
+    reporter.best(study)
+    reporter.message(console.baseline_line(objective, baseline))
+    below = console.below_baseline_warning(study, objective, baseline)
+    if below:
+        reporter.warning(below)
+    for line in console.closing_lines(study, url, result.ran, result.finished, n_trials,
+                                     resources.keeper, next_command):
+        reporter.message(line)
+
+
+def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resources,
+           pinned: PinnedSpace, reporter: ConsoleReporter, run_check: bool,
+           verbose: bool) -> PinnedSpace:
+    """The study's check (unless skipped or done) and, from its step times, the precisions
+    `auto` searches; says what was decided. Returns the space the trials search."""
+    config = resources.config
+    assert pinned.fp_precision is not None  # resolved on this device when it joined
+    verdicts = (step_check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
+                else step_check.stored(study, resources.device))
+    decided = decide_precisions(study, storage, pinned, step_check.step_seconds(verdicts),
+                                config.study.precision_tolerance, step_check.step_spreads(verdicts),
+                                step_check.crowded(verdicts))
+    if decided.decided != pinned.decided:
+        reporter.message(console.describe_decision(decided, verbose))
+    stored_tolerance = (decided.decided or {}).get("tolerance")
+    if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
+        reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
+                         f"not applied: the study decided its precisions with "
+                         f"{stored_tolerance:g} (a new study decides again)")
+    resources.pinned = decided
+    return decided
+
+
+class LoopReporter(TrialReporter, Protocol):
+    """What the loop says, besides what its trials say (the trial context's reporter)."""
+
+    def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None: ...
+    def interrupted(self, text: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    ran: int  # trials this worker ran
+    finished: int  # finished trials in the study when it stopped
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The study's finished trials per second since this worker first counted them, every
+    worker's included, and from it the time left to the budget."""
+
+    since: float  # time.monotonic() at the first count
+    first: int  # finished trials then
+
+    def progress(self, finished: int, n_trials: float) -> str:
+        if math.isinf(n_trials):
+            return f"  {finished} trials finished"
+        text = f"  {finished}/{n_trials:g} trials finished"
+        done = finished - self.first
+        left = n_trials - finished
+        if done <= 0 or left <= 0:
+            return text
+        return f"{text}, about {duration(left * (time.monotonic() - self.since) / done)} left"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+TrialRunner = Callable[[TrialContext], tuple[Outcome, FrozenTrial]]
+
+
+def in_process(resources: Resources) -> TrialRunner:
+    return lambda context: execute(context, resources)
+
+
+def _ask(study: optuna.Study) -> optuna.Trial:
+    with warnings.catch_warnings():
+        # The heartbeat thread below does for ask/tell what Study.optimize does for its loop.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        return study.ask()
+
+
+def _run_claimed(
+    context: TrialContext, storage: ResilientRDBStorage, run_trial: TrialRunner, waiting: int,
+) -> tuple[Outcome, FrozenTrial]:
+    trial = context.trial
+    if waiting:
+        # Optuna's retry callback marks the re-queued copy of a stale trial; only a waiting
+        # trial can be one, and ask() takes waiting trials first.
+        retried = storage.get_trial_system_attrs(trial._trial_id).get("failed_trial")
+        if retried is not None:
+            records.record_retry(trial, retried)
+    faults.kill_at("heartbeat")
+    with heartbeat(storage, context.live):
+        return run_trial(context)
+
+
+LOST_LOCK_CLAIM = ("claimed while the study lock was lost with its database connection; "
+                   "given back to keep the budget exact")
+
+
+def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: int,
+                  trial: optuna.Trial, n_trials: float, reporter: LoopReporter) -> bool:
+    """After a claim made while the study lock was lost, another worker may have claimed
+    the same slot: recount under the lock and give the trial back if the budget overshoots."""
+    with budget.study_lock(storage.engine, study.study_name) as connection:
+        counts = budget.count_in_database(connection, study_id)
+        if counts.started <= n_trials:
+            return True
+        give_back(study, trial, GivenBack(LOST_LOCK_CLAIM))
+    reporter.message(f"trial {trial.number} given back: the study lock was lost while it was "
+                     f"claimed and the budget would overshoot")
+    return False
+
+
+def run_worker(
+    study: optuna.Study,
+    storage: ResilientRDBStorage,
+    run_trial: TrialRunner,
+    reporter: LoopReporter,
+    *,
+    n_trials: float,
+    timeout: float | None = None,
+    max_consecutive_failures: int = 3,
+    poll_seconds: float = POLL_SECONDS,
+) -> WorkerResult:
+    """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials.
+
+    While the last trials run on other workers this worker waits, reaping stale trials, and
+    takes over a slot that frees up (a failed trial, a re-queued retry). `timeout` stops it
+    from claiming new trials; `max_consecutive_failures` FAILed trials in a row stop it.
+    """
+    started = time.monotonic()
+    study_id = storage.get_study_id_from_name(study.study_name)
+    reap_every = storage.get_heartbeat_interval() or poll_seconds
+    ran = failures = 0
+    waiting_said = told = False
+    last_reap = -math.inf
+    pace: Pace | None = None
+    while True:
+        # Reaping reads every running trial's heartbeat: once per heartbeat interval is
+        # enough, since nothing can turn stale faster than that. Not within a grace period
+        # of this worker's start or its last lost contact: the heartbeats it would judge may
+        # have stopped in the same outage.
+        if time.monotonic() - last_reap >= reap_every and storage.trusts_heartbeats():
+            reap(study, storage, study_id)
+            last_reap = time.monotonic()
+        with budget.study_lock(storage.engine, study.study_name) as connection:
+            counts = budget.count_in_database(connection, study_id)
+            pace = pace or Pace(time.monotonic(), counts.finished)
+            if told:
+                reporter.message(pace.progress(counts.finished, n_trials))
+                told = False
+            if counts.finished >= n_trials:
+                break
+            if timeout is not None and time.monotonic() - started >= timeout:
+                reporter.message(f"timeout of {timeout:g}s reached")
+                break
+            trial = _ask(study) if budget.may_claim(counts, n_trials) else None
+            if trial is not None:
+                faults.kill_at("claim")
+            lost = trial is not None and not budget.lock_held(connection)
+        if (lost and trial is not None
+                and not _claim_stands(study, storage, study_id, trial, n_trials, reporter)):
+            continue
+        if trial is None:
+            if not waiting_said:
+                reporter.message(f"waiting for {counts.running} running trial(s) of other "
+                                 f"workers ({counts.finished}/{n_trials:g} finished)")
+                waiting_said = True
+            time.sleep(poll_seconds)
+            continue
+        waiting_said = False
+        context = claimed(study, storage, trial, reporter)
+        try:
+            outcome, finished = _run_claimed(context, storage, run_trial, counts.waiting)
+        except KeyboardInterrupt as stop:
+            # From the claim on: a trial left RUNNING would hold a budget slot until reaped.
+            # `context.trial`: a run carried over to its retry copy frees the copy.
+            reporter.interrupted(free(study, context.trial, stop))
+            raise
+        ran += 1
+        reporter.trial_finished(finished, outcome)
+        told = True
+        # A dropped result was lost for want of contact, not for anything of its own.
+        if not outcome.dropped:
+            failures = failures + 1 if outcome.state == TrialState.FAIL else 0
+        if failures >= max_consecutive_failures:
+            raise WorkerStopped(f"{failures} trials in a row failed; last error: {outcome.error}")
+    return WorkerResult(ran, finished_count(study))

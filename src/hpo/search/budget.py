@@ -1,0 +1,194 @@
+"""The study-wide trial budget, kept exactly by many workers.
+
+Optuna's MaxTrialsCallback checks the count after a trial, so N workers overshoot by up to
+N - 1. Here a worker claims a trial inside a lock shared through the database (a PostgreSQL
+advisory lock; a file lock beside an SQLite file) and only when COMPLETE + PRUNED + RUNNING
+trials stay below the budget: a failed trial frees its slot, so another is made up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+import sqlalchemy
+
+# Optuna's RDB schema (private names, versioned by its migrations): counting and finding
+# trials in SQL keeps claiming and reaping cheap as a study grows. tests/search/test_budget.py fails
+# if these tables or columns change.
+from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
+from optuna.trial import TrialState
+
+from hpo import interrupts
+from hpo.search.storage import OUTAGE_SECONDS, retrying
+
+_LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
+
+
+@dataclass(frozen=True)
+class Counts:
+    complete: int = 0
+    pruned: int = 0
+    running: int = 0
+    waiting: int = 0
+    failed: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.complete + self.pruned
+
+    @property
+    def started(self) -> int:
+        """The trials that hold a slot of the budget: finished or running."""
+        return self.finished + self.running
+
+    @property
+    def claimed(self) -> int:
+        return self.finished + self.running + self.waiting
+
+
+def count(study: optuna.Study) -> Counts:
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    return Counts(
+        complete=states.count(TrialState.COMPLETE),
+        pruned=states.count(TrialState.PRUNED),
+        running=states.count(TrialState.RUNNING),
+        waiting=states.count(TrialState.WAITING),
+        failed=states.count(TrialState.FAIL),
+    )
+
+
+def count_in_database(connection: sqlalchemy.Connection, study_id: int) -> Counts:
+    """The same counts in one grouped query: claiming must stay cheap as a study grows, and
+    loading every trial (params, attributes) to count states does not."""
+    trials = TrialModel.__table__
+    rows = connection.execute(
+        sqlalchemy.select(trials.c.state, sqlalchemy.func.count())
+        .where(trials.c.study_id == study_id)
+        .group_by(trials.c.state)
+    ).all()
+    by_name = {str(getattr(state, "name", state)): n for state, n in rows}
+    return Counts(
+        complete=by_name.get("COMPLETE", 0),
+        pruned=by_name.get("PRUNED", 0),
+        running=by_name.get("RUNNING", 0),
+        waiting=by_name.get("WAITING", 0),
+        failed=by_name.get("FAIL", 0),
+    )
+
+
+def unbeaten_trial_ids(connection: sqlalchemy.Connection, study_id: int,
+                       started_before: datetime.datetime) -> list[int]:
+    """RUNNING trials that started before `started_before` and never recorded a heartbeat."""
+    trials, beats = TrialModel.__table__, TrialHeartbeatModel.__table__
+    return list(connection.execute(
+        sqlalchemy.select(trials.c.trial_id)
+        .where(trials.c.study_id == study_id, trials.c.state == TrialState.RUNNING,
+               trials.c.datetime_start < started_before,
+               ~sqlalchemy.exists().where(beats.c.trial_id == trials.c.trial_id))
+    ).scalars())
+
+
+def may_claim(counts: Counts, budget: float) -> bool:
+    """Whether a trial may start: fewer than `budget` are finished or running. A claim takes a
+    waiting trial first (Optuna's ask does), so a retry copy runs in the slot its failed
+    original freed, and enqueued sets beyond the budget stay waiting (a later, larger budget
+    runs them) instead of each of several workers starting one past the budget."""
+    return counts.started < budget
+
+
+@contextlib.contextmanager
+def study_lock(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.Connection]:
+    """Mutual exclusion among all workers of one study, wherever they run; yields a
+    connection for the queries made under the lock. A Ctrl-C or SIGTERM held while it
+    queried is raised as it is released."""
+    with _locked(engine, study_name) as connection:
+        yield connection
+    interrupts.raise_held()
+
+
+@contextlib.contextmanager
+def _locked(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.Connection]:
+    backend = engine.url.get_backend_name()
+    if backend == "postgresql":
+        with _advisory_lock(engine, study_name) as connection:
+            yield connection
+        return
+    lock: contextlib.AbstractContextManager[object]
+    if backend == "sqlite" and engine.url.database not in (None, "", ":memory:"):
+        lock = _file_lock(Path(engine.url.database).with_suffix(".hpo-lock"))
+    else:
+        # An in-memory SQLite database lives in one process: a thread lock is enough there.
+        lock = _process_lock
+    with lock, retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock") as connection:
+        yield connection
+
+
+_process_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _advisory_lock(
+    engine: sqlalchemy.Engine, study_name: str
+) -> Iterator[sqlalchemy.Connection]:
+    key = _LOCK_NAMESPACE << 32 | zlib.crc32(study_name.encode())
+    key -= 1 << 63 if key >= 1 << 63 else 0  # bigint is signed
+    # A session-level lock on its own connection: released on unlock, or by the server when
+    # the connection dies with its worker, so a killed worker never holds it.
+    def acquire() -> sqlalchemy.Connection:
+        connection = engine.connect()
+        try:
+            # The server notices a holder cut off by a partition within about 25 s, and
+            # ends its session, which frees the lock, instead of when TCP gives up (hours).
+            connection.execute(sqlalchemy.text(
+                "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; "
+                "SET tcp_keepalives_count = 3"))
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        except Exception:
+            connection.close()
+            raise
+        return connection
+
+    connection = retrying(acquire, seconds=OUTAGE_SECONDS, what="lock")
+    try:
+        try:
+            yield connection
+        finally:
+            try:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            except sqlalchemy.exc.SQLAlchemyError:
+                # Never hand a connection that may still hold the lock back to the pool.
+                connection.invalidate()
+    finally:
+        with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError):
+            connection.close()
+
+
+def lock_held(connection: sqlalchemy.Connection) -> bool:
+    """Whether the study lock yielded with `connection` is still held. A PostgreSQL
+    session lock dies with its connection (a server restart, a failover, a reset), and its
+    holder learns of it only on its next use of that connection."""
+    if connection.engine.url.get_backend_name() != "postgresql":
+        return True
+    try:
+        connection.execute(sqlalchemy.text("SELECT 1"))
+    except sqlalchemy.exc.SQLAlchemyError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,212 @@
+"""Whether a running trial's worker is alive, beside the storage that records it (as optuna
+keeps reaping beside its storages): the heartbeat a running trial records, the reaper that
+fails trials whose worker went silent and queues their retries, the same for the trials of a
+worker its launcher saw die, and the carry-over of a run that was reaped while it was in fact
+alive onto its retry copy.
+
+The reapers are the one place besides `executor.outcome_of` that sets a trial's state: they
+judge workers, not outcomes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TypeVar
+
+import optuna
+from optuna.trial import TrialState
+
+from hpo.outcome import Reaped
+from hpo.search import budget
+from hpo.search.storage import ResilientRDBStorage, single_attempt
+
+T = TypeVar("T")
+Lock = Callable[[], AbstractContextManager[object]]
+
+
+class LiveTrial:
+    """The trial a run writes to. A trial reaped while it ran goes on as its retry copy:
+    `carry_over` points `trial` at the copy, and the training loop, its callbacks and the
+    heartbeat, which all hold this object rather than the trial, follow it there."""
+
+    def __init__(self, trial: optuna.Trial) -> None:
+        self.trial = trial
+        self.claimed_as = trial.number  # the trial the run began as
+
+    @property
+    def carried_over(self) -> bool:
+        return self.trial.number != self.claimed_as
+
+
+@contextlib.contextmanager
+def heartbeat(storage: ResilientRDBStorage, live: LiveTrial) -> Iterator[None]:
+    """Record the trial's heartbeat every interval while it runs, from a background thread,
+    so a long training step cannot make a live trial look dead. It beats for whatever trial
+    `live` stands for at each beat: a run carried over to its retry copy moves its heartbeat
+    along."""
+    interval = storage.get_heartbeat_interval()
+    if not interval:
+        yield
+        return
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            # One try per interval, no backoff: once an outage ends the trial beats again
+            # within an interval, well inside the grace period reapers then wait.
+            with contextlib.suppress(Exception), single_attempt():
+                storage.record_heartbeat(live.trial._trial_id)
+
+    storage.record_heartbeat(live.trial._trial_id)
+    thread = threading.Thread(target=beat, name=f"heartbeat-{live.trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
+    """Fail trials whose worker stopped beating, or never beat; the retry callback re-queues
+    them. Under the study lock: two reapers that both saw a stale trial would otherwise each
+    queue a copy of it (SQLite has no row lock; a retried write cannot tell whose it was),
+    and a second waiting copy overshoots the budget."""
+    with budget.study_lock(storage.engine, study.study_name):
+        # Taking the lock may have waited out an outage: judge only with contact unbroken.
+        if storage.trusts_heartbeats():
+            _reap(study, storage, study_id)
+
+
+def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
+    with warnings.catch_warnings():
+        # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    interval = storage.get_heartbeat_interval()
+    if not interval:
+        return
+    # A worker killed between claiming a trial and its first heartbeat (OOM killer, eviction)
+    # leaves a RUNNING trial that Optuna's reaper never sees: reap it by its start time, after
+    # the grace period (Optuna's default where none was set: two intervals).
+    grace = storage.grace_period or 2 * interval
+    started_before = datetime.datetime.now() - datetime.timedelta(seconds=grace)
+    with storage.engine.connect() as connection:
+        unbeaten = budget.unbeaten_trial_ids(connection, study_id, started_before)
+    retry = storage.get_heartbeat_stale_trial_callback()
+    for trial_id in unbeaten:
+        try:
+            if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # it finished, or another worker reaped it first
+        if retry is not None:
+            retry(study, storage.get_trial(trial_id))
+
+
+# Set in a trial's own process (`training.isolate_trials`): the pid of the worker it runs for.
+WORKER_PID = "HPO_WORKER_PID"
+
+
+def worker_on_this_host(pid: int) -> str:
+    """The name the trials of the process `pid` of this host record as their "worker"
+    (records.worker_name, in that process)."""
+    return f"{socket.gethostname()}:{pid}"
+
+
+def fail_dead_worker(study: optuna.Study, storage: ResilientRDBStorage, worker: str,
+                     why: str) -> list[tuple[int, bool]]:
+    """Fail at once the RUNNING trials of `worker` (its "host:pid"), which whoever started
+    it saw die, and queue their retries as the reaper does, rather than leave them to the
+    reaper for a grace period. Each is failed with `why` as its error. Returns the number of
+    each trial failed and whether a retry copy was queued (none once its retries are used up).
+    Under the study lock, for the reaper's reason: a second copy would overshoot the budget.
+    A trial that finished or was reaped meanwhile is left alone."""
+    study_id = storage.get_study_id_from_name(study.study_name)
+    with budget.study_lock(storage.engine, study.study_name):
+        running = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+        failed = []
+        for trial in running:
+            if trial.user_attrs.get("worker") != worker:
+                continue
+            try:
+                # The reason before the state: a finished trial takes no attribute. Its copy
+                # is made from `trial`, read before, so it does not inherit the reason.
+                storage.set_trial_user_attr(trial._trial_id, "error", why)
+                if not storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # it finished, or a reaper failed it first
+            retry = storage.get_heartbeat_stale_trial_callback()
+            if retry is not None:
+                retry(study, trial)
+            failed.append((trial.number, _requeued(storage, study_id, trial.number)))
+    return failed
+
+
+def _requeued(storage: ResilientRDBStorage, study_id: int, number: int) -> bool:
+    waiting = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
+    return any(_copy_of(t) == number for t in waiting)
+
+
+def _copy_of(trial: optuna.trial.FrozenTrial) -> int | None:
+    """The trial a retry copy re-runs: Optuna's retry callback appends the failed trial's
+    number to the copy's `retry_history`."""
+    return trial.system_attrs.get("retry_history", [None])[-1]
+
+
+def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | None:
+    """For a trial that was reaped while it ran (its heartbeats lost, another worker took it
+    for dead): claim the waiting copy the reaper queued, if no worker has claimed it yet,
+    carry over what the trial recorded and point `live` at the copy, so the run goes on and
+    its result is kept. Returns the reaped trial's number, or None when there is no copy to
+    claim: the result then has nowhere to go. Under the study `lock`, which reapers hold from
+    failing a trial to queueing its copy and claimers hold while they claim."""
+    trial = live.trial
+    study, storage, number = trial.study, trial.storage, trial.number
+    with lock():
+        copies = [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                  if _copy_of(t) == number]
+        claimed = None
+        for copy in copies:
+            try:
+                if storage.set_trial_state_values(copy._trial_id, state=TrialState.RUNNING):
+                    claimed = copy
+                    break
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # claimed and finished by another worker meanwhile
+    if claimed is None:
+        return None
+    reaped = storage.get_trial(trial._trial_id)
+    for step, value in reaped.intermediate_values.items():
+        storage.set_trial_intermediate_value(claimed._trial_id, step, value)
+    for key, value in {**reaped.user_attrs, "result_of": number}.items():
+        storage.set_trial_user_attr(claimed._trial_id, key, value)
+    live.trial = optuna.trial.Trial(study, claimed._trial_id)
+    return number
+
+
+def write_kept(live: LiveTrial, write: Callable[[optuna.Trial], T],
+               lock: Lock = contextlib.nullcontext) -> T:
+    """Run `write` on the live trial; if the trial was reaped while it ran, carry it over to
+    its waiting copy (under the study `lock`) and write there, else raise Reaped. The copy
+    can be reaped in turn (a long outage again): a few times over."""
+    number = live.trial.number  # the trial that was reaped, if this one is
+    for _ in range(3):
+        trial = live.trial
+        try:
+            return write(trial)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            # ValueError: study.tell's "Cannot tell a FAIL trial"; the state says which.
+            if not trial.storage.get_trial(trial._trial_id).state.is_finished():
+                raise
+        if carry_over(live, lock) is None:
+            break
+    raise Reaped(f"trial {number} was reaped while it ran (its heartbeats were lost) and its "
+                 f"retry was already claimed by another worker: this run's result is dropped")

@@ -1,0 +1,340 @@
+"""A study in its storage: created or joined with its sampler, pruner and pinned search space,
+and the batch-size limits its workers share."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import cast
+
+import optuna
+from optuna.trial import TrialState
+
+from hpo.config import ADAPTER_RATE, SearchSpace, StudyConfig
+from hpo.data.splits import Splits, fingerprint
+from hpo.errors import ConfigError, DataError
+from hpo.hardware import Device
+from hpo.search import budget, release
+from hpo.search.storage import ResilientRDBStorage, retry_callback
+from hpo.space import PIN_ATTR, PinnedSpace, by_cost, pin
+from hpo.training.memory import BatchLimit
+
+
+def make_sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
+    """The study's sampler. With `sampler.seed`, each trial draws from a sampler made for it
+    from the seed and the trial's number (`PerTrialSeeded`): a sampler seeded once per
+    process would draw the same values again in every worker and after every restart."""
+    seed = config.study.sampler.seed
+    if seed is None:
+        return _sampler(config, None)
+    return PerTrialSeeded(functools.partial(_seeded_sampler, config, seed))
+
+
+def _seeded_sampler(config: StudyConfig, seed: int, trial_number: int
+                    ) -> optuna.samplers.BaseSampler:
+    digest = hashlib.sha256(f"{seed}:{trial_number}".encode()).digest()
+    return _sampler(config, int.from_bytes(digest[:4], "little"))
+
+
+def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampler:
+    sampler = config.study.sampler
+    if sampler.name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    with warnings.catch_warnings():
+        # multivariate, group and constant_liar are "experimental" in Optuna's words only.
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=sampler.n_startup_trials,
+            multivariate=sampler.multivariate, group=sampler.group,
+            constant_liar=sampler.constant_liar,
+        )
+
+
+class PerTrialSeeded(optuna.samplers.BaseSampler):
+    """A sampler whose draws for a trial depend only on the trial's number and the study's
+    history, not on which worker asked or how long it has run: every call is answered by
+    `make(trial.number)`, made once per trial. Optuna calls a sampler with the trial it is
+    for (`before_trial` at the claim, the samples at the first suggestion), so this needs
+    no hook in the worker's loop; the inner samplers keep no state between trials that a
+    fresh one lacks (TPE reads the history from the storage)."""
+
+    def __init__(self, make: Callable[[int], optuna.samplers.BaseSampler]) -> None:
+        self._make = make
+        self._number: int | None = None
+        self._inner: optuna.samplers.BaseSampler | None = None
+
+    def sampler_for(self, trial_number: int) -> optuna.samplers.BaseSampler:
+        """A new sampler as trial `trial_number` draws from."""
+        return self._make(trial_number)
+
+    def _for(self, trial: optuna.trial.FrozenTrial) -> optuna.samplers.BaseSampler:
+        if self._inner is None or self._number != trial.number:
+            self._number, self._inner = trial.number, self._make(trial.number)
+        return self._inner
+
+    def before_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        self._for(trial).before_trial(study, trial)
+
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+    ) -> dict[str, optuna.distributions.BaseDistribution]:
+        return self._for(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+        search_space: dict[str, optuna.distributions.BaseDistribution],
+    ) -> dict[str, object]:
+        return self._for(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial, param_name: str,
+        param_distribution: optuna.distributions.BaseDistribution,
+    ) -> object:
+        return self._for(trial).sample_independent(study, trial, param_name,
+                                                   param_distribution)
+
+    def after_trial(
+        self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+        state: TrialState, values: Sequence[float] | None,
+    ) -> None:
+        self._for(trial).after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        # Optuna reseeds a study's sampler for `optimize(n_jobs>1)`; a trial's draws here
+        # are fixed by its number, which is what seeding the study asked for.
+        return None
+
+
+def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
+    pruner = config.study.pruner
+    first = pruner.first_rung(config.max_steps())
+    if pruner.name == "median":
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=pruner.n_startup_trials, n_warmup_steps=pruner.n_warmup_steps
+        )
+    if pruner.name == "successive_halving":
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=first, reduction_factor=pruner.reduction_factor
+        )
+    if pruner.name == "hyperband":
+        return optuna.pruners.HyperbandPruner(
+            min_resource=first, max_resource=config.max_steps(),
+            reduction_factor=pruner.reduction_factor,
+        )
+    return optuna.pruners.NopPruner()
+
+
+
+def join(
+    config: StudyConfig, storage: ResilientRDBStorage, device: Device | None,
+    splits: Splits | None = None,
+) -> tuple[optuna.Study, PinnedSpace]:
+    """Create the study or load it, and the space this worker may search in it (`device`
+    None: a host that runs no trial, which leaves `auto` to the first worker that does),
+    with the data split pinned (`pin_splits`) when `splits` is given. Under the study lock,
+    so that of many workers starting at once exactly one pins them."""
+    assert config.study.name is not None  # named when the study file was loaded
+    with budget.study_lock(storage.engine, config.study.name):
+        study = optuna.create_study(
+            storage=storage,
+            study_name=config.study.name,
+            direction="maximize",
+            sampler=make_sampler(config),
+            pruner=make_pruner(config),
+            load_if_exists=True,
+        )
+        release.record(study)
+        pin_liveness(study, storage, config)
+        if splits is not None:
+            pin_splits(study, splits)
+        pinned = pin(study, config.search_space, device)
+        seed_queue(study, storage, config)
+        return study, pinned
+
+
+QUEUED = "enqueued"
+
+
+def seed_queue(study: optuna.Study, storage: ResilientRDBStorage, config: StudyConfig) -> int:
+    """Enqueue the study file's `enqueue` parameter sets, then the best trials of
+    `warm_start_from`, once in the study's life (its first join, under the study lock):
+    every worker joins, but the fleet runs each set once. Returns how many were enqueued."""
+    if study.user_attrs.get(QUEUED) is not None:
+        return 0
+    queued = [dict(params) for params in config.study.enqueue]
+    if config.study.warm_start_from:
+        queued += warm_start(storage, config)
+    for params in queued:
+        study.enqueue_trial(params, skip_if_exists=True)
+    study.set_user_attr(QUEUED, len(queued))
+    return len(queued)
+
+
+def warm_start(storage: ResilientRDBStorage, config: StudyConfig) -> list[dict]:
+    """The parameters of the best COMPLETE trials of `warm_start_from` that are points of
+    this study's space (a precision is left to sample where this space has `auto`)."""
+    name = config.study.warm_start_from
+    try:
+        other = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        raise ConfigError(f"study.warm_start_from {name}: no such study in this storage "
+                          f"(hpo studies lists them)") from None
+    space = config.search_space
+    best = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))),
+                  key=lambda t: (-cast(float, t.value), t.number))  # COMPLETE: valued
+    chosen = []
+    for trial in best:
+        params = _rate_renamed(dict(trial.params), space)
+        if space.by_device:
+            params.pop("fp_precision", None)
+        if space.rejects(params) is None and params not in chosen:
+            chosen.append(params)
+        if len(chosen) == config.study.warm_start_trials:
+            break
+    return chosen
+
+
+def _rate_renamed(params: dict, space: SearchSpace) -> dict:
+    """An adapter trial's rate under the name this space samples it by: the other study may
+    have given adapters a range of their own (`adapter_learning_rate`) or not."""
+    if params.get("peft", "none") == "none":
+        return params
+    name, other = ((ADAPTER_RATE, "learning_rate") if space.adapter_learning_rate is not None
+                   else ("learning_rate", ADAPTER_RATE))
+    if other in params:
+        params[name] = params.pop(other)
+    return params
+
+
+SPLITS = "data_splits"
+
+
+def pin_splits(study: optuna.Study, splits: Splits) -> None:
+    """The data split fixed in the study by its first worker: a worker (or `hpo final`) whose
+    data or split settings give other posts in a split refuses, since a trial trained on
+    another worker's validation or test posts would make the search's scores, and the
+    final test score, dishonest."""
+    if not splits_recorded(study, splits):
+        study.set_user_attr(SPLITS, fingerprint(splits))
+
+
+def splits_recorded(study: optuna.Study, splits: Splits) -> bool:
+    """True if the study recorded these splits, False if it recorded none; DataError if it
+    recorded others."""
+    stored, mine = study.user_attrs.get(SPLITS), fingerprint(splits)
+    if stored is None:
+        return False
+    for name in ("train", "validation", "test"):
+        if stored[name] != mine[name]:
+            raise DataError(
+                f"study '{study.study_name}' searched on another data split ({name}: "
+                f"{stored[name]['posts']} posts, digest {stored[name]['sha256']}; here "
+                f"{mine[name]['posts']} posts, digest {mine[name]['sha256']}): use the same "
+                f"data.dir, split_seed and fractions as the study's workers")
+    return True
+
+
+LIVENESS = "liveness"
+
+
+def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
+                 config: StudyConfig) -> dict[str, int]:
+    """The heartbeat interval, grace period and retry count fixed in the study when it is
+    created, and used by this worker whatever its own settings: a worker with a shorter
+    grace period than another's heartbeat interval would reap that worker's live trials."""
+    section = config.study
+    pinned = study.user_attrs.get(LIVENESS)
+    if pinned is None:
+        pinned = {"heartbeat_interval": section.heartbeat_interval,
+                  "grace_period": section.grace_period, "max_retry": section.max_retry}
+        study.set_user_attr(LIVENESS, pinned)
+    storage.heartbeat_interval = pinned["heartbeat_interval"]
+    storage.grace_period = pinned["grace_period"]
+    retry = retry_callback(pinned["max_retry"])
+    storage.heartbeat_stale_trial_callback = storage.failed_trial_callback = retry
+    return pinned
+
+
+def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned: PinnedSpace,
+                      seconds: dict[str, dict[str, float]] | None,
+                      tolerance: float,
+                      spreads: dict[str, dict[str, float]] | None = None,
+                      crowded: frozenset[str] = frozenset()) -> PinnedSpace:
+    """For `fp_precision: auto`, the precisions the study searches, decided once for the
+    whole fleet, before any trial samples one (Optuna's categorical choices cannot change
+    later): those `space.by_cost` keeps from the check's measured `seconds` per step (per
+    model and precision; `spreads`, how much their repeats strayed, says when the decision
+    is unsettled; `crowded` precisions the check could not judge beside other processes are
+    kept), or, with no measurement, every native one. Under the study lock:
+    the first worker to decide decides for all; the others read its decision."""
+    if pinned.declared.get("fp_precision") != "auto" or pinned.decided is not None:
+        return pinned
+    with budget.study_lock(storage.engine, study.study_name):
+        stored = PinnedSpace.from_json(study.user_attrs[PIN_ATTR])
+        if stored.decided is not None or stored.fp_precision is None:
+            return stored
+        sampled = any("fp_precision" in t.params for t in study.get_trials(deepcopy=False))
+        if sampled or not seconds:
+            why = ("trials already sampled a precision" if sampled
+                   else "no step was measured (the check was skipped)")
+            decided = PinnedSpace(stored.declared, stored.fp_precision,
+                                  {"by": "native", "why": why})
+        else:
+            choice = by_cost(seconds, stored.fp_precision, tolerance, spreads, crowded)
+            decided = PinnedSpace(stored.declared, choice.kept,
+                                  {"by": "cost", "tolerance": tolerance,
+                                   "dropped": choice.dropped,
+                                   **({"unsettled": choice.unsettled} if choice.unsettled
+                                      else {})})
+        study.set_user_attr(PIN_ATTR, decided.to_json())
+        return decided
+
+
+def finished_count(study: optuna.Study) -> int:
+    return budget.count(study).finished
+
+
+class StudyBatchCache:
+    """Batch limits kept as study user attributes, so every worker of the study sees them."""
+
+    PREFIX = "batch_limit:"
+
+    def __init__(self, study: optuna.Study,
+                 lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+                 ) -> None:
+        self._study = study
+        self.lock = lock  # the study lock, which carry_over takes too
+
+    def get(self, key: str) -> BatchLimit:
+        stored = self._study.user_attrs.get(self.PREFIX + key)
+        return BatchLimit.from_json(stored) if stored else BatchLimit()
+
+    def update(self, key: str, limit: BatchLimit) -> BatchLimit:
+        """Merge what a trial learned into the study's limit; returns the merged limit the
+        trial goes by. An out-of-memory at one sample is that trial's alone: it says the
+        device was full at that moment (a GPU shared with another process), not that the key
+        never fits, and kept it would prune every later trial of the key for good. A
+        combination that cannot run one sample is the study's check to mark unusable."""
+        # Read, merged and written under the study lock: another worker may be learning
+        # something about the same key at the same moment.
+        with self.lock():
+            stored = self.get(key)
+            merged = stored.merge(limit)
+            kept = merged if merged.smallest_fail != 1 else stored.merge(
+                BatchLimit(limit.largest_ok))
+            if kept != stored:
+                self._study.set_user_attr(self.PREFIX + key, kept.to_json())
+        return merged
+
+    def lower(self, key: str, batch: int) -> BatchLimit:
+        return self.update(key, BatchLimit().after_oom(batch))
+
+
+def shared_batch_cache(study: optuna.Study, storage: ResilientRDBStorage) -> StudyBatchCache:
+    """The study's batch cache, updated under the study lock all its workers share."""
+    return StudyBatchCache(
+        study, functools.partial(budget.study_lock, storage.engine, study.study_name))

@@ -1,0 +1,456 @@
+"""Train and evaluate one configuration: autocast, GradScaler for fp16, fused AdamW, exact
+gradient accumulation, clipping, per-epoch evaluation.
+
+The accumulated gradient of a step equals the gradient of one big batch: each micro-batch's
+summed per-sample loss is divided by the step's sample count, not by its own size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import get_linear_schedule_with_warmup
+
+from hpo import faults
+from hpo.data.batching import Collator, Encoded, PlannedBatches, eval_batches, training_steps
+from hpo.errors import one_line
+from hpo.hardware import Device, autocast_dtype, fused_adamw, loader_settings, peak_flops
+from hpo.training import memory
+from hpo.training.flops import ModelFlops, model_flops
+from hpo.training.models import config_of
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run needs besides the model and data; derived once per trial."""
+
+    precision: str
+    effective_batch: int
+    physical_batch: int
+    eval_batch: int
+    learning_rate: float
+    weight_decay: float
+    warmup_ratio: float
+    max_grad_norm: float
+    epochs: int
+    seed: int
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    # Validation scores per epoch, evenly spaced over its optimizer steps (the last at its end).
+    evaluations_per_epoch: int = 1
+    # Training ends after this many evaluations, its schedule with it (hpo final's refit to
+    # the evaluation a trial's value came from); None: after every epoch's.
+    stop_after: int | None = None
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return math.ceil(self.effective_batch / self.physical_batch)
+
+    @property
+    def evaluations(self) -> int:
+        """The evaluations a run makes: the steps it reports to the pruner."""
+        return self.stop_after or self.epochs * self.evaluations_per_epoch
+
+
+def as_epochs(evaluation: int, per_epoch: int) -> int | float:
+    """An evaluation's 1-based index in epochs: whole where it ends an epoch (always with one
+    evaluation per epoch), else a fraction (1.5: the middle of the second epoch)."""
+    whole, part = divmod(evaluation, per_epoch)
+    return whole if part == 0 else round(evaluation / per_epoch, 3)
+
+
+def evaluation_points(steps_per_epoch: int, per_epoch: int) -> list[int]:
+    """After which optimizer step of an epoch (1-based) each of its `per_epoch` evaluations
+    comes: evenly spaced, the last at the epoch's end. An epoch of fewer steps than
+    evaluations scores some points twice in name only: one evaluation serves them all."""
+    return [math.ceil(k * steps_per_epoch / per_epoch) for k in range(1, per_epoch + 1)]
+
+
+@dataclass
+class Progress:
+    """Running counters of a training run, read by the progress display and the trial."""
+
+    epoch: int = 0
+    step: int = 0
+    steps_per_epoch: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    step_seconds: float = 0.0
+    eval_seconds: float = 0.0
+    # fp16's GradScaler scale after the last epoch (None without a scaler): it starts at 2**16
+    # and halves on every step whose gradients overflowed, so a scale that fell far says the
+    # run skipped steps.
+    grad_scale: float | None = None
+    # Each finished epoch's seconds, its steps and its evaluation: what a replay of the
+    # search in simulated time looks up (benchmarks/learning_curves.py).
+    epoch_seconds: list[float] = field(default_factory=list)
+    # The model's training FLOPs so far (hpo.training.flops) and the device's peak in the trial's
+    # precision, where known: the model-FLOPs utilisation.
+    model_flops: float = 0.0
+    peak_flops: float | None = None
+
+    def count(self, mask: torch.Tensor, flops: ModelFlops) -> None:
+        """A micro-batch's tokens and FLOPs, from its mask's host copy: on a GPU, reading
+        the device copy would sync."""
+        lengths = mask.sum(dim=1)
+        self.real_tokens += int(lengths.sum())
+        self.padded_tokens += mask.numel()
+        self.model_flops += flops.sequences(lengths)
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.model_flops / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def mfu(self) -> float | None:
+        return self.flops_per_second / self.peak_flops if self.peak_flops else None
+
+    @property
+    def train_seconds(self) -> float:
+        return self.step_seconds + self.eval_seconds
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+def autocast(device: Device, precision: str) -> contextlib.AbstractContextManager:
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def prepare(model: torch.nn.Module, plan: Plan, device: Device) -> torch.nn.Module:
+    model.to(device.torch_device)
+    faults.install(model, device.sharing)
+    if plan.gradient_checkpointing:
+        # transformers 5 renamed it; older releases only know the first name. (Any: torch
+        # types a module's attributes, this transformers method too, as tensors or modules.)
+        enable: Any = getattr(model, "activation_checkpointing_enable", None) or (
+            model.gradient_checkpointing_enable)
+        enable()
+    model.train()
+    if plan.compile:
+        return compiled(model, plan, device)
+    return model
+
+
+class CompiledOrEager(torch.nn.Module):
+    """A model run through `torch.compile` until the compiler fails on it, eagerly from then
+    on (`failure` says why): a model the compiler cannot handle trains slower rather than
+    failing its trial. Out-of-memory errors pass through, as from the eager model."""
+
+    def __init__(self, model: torch.nn.Module, backend: Callable | str) -> None:
+        super().__init__()
+        self.eager = model
+        self.config = config_of(model)
+        import torch._dynamo  # forward sets one of its settings; torch.compile loads it anyway
+
+        self.compiled = torch.compile(model, dynamic=True, backend=backend)
+        self.failure: str | None = None
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        if self.failure is None:
+            try:
+                # Past its recompile limit torch runs a graph eagerly from then on without a
+                # word, and the trial would record itself compiled; raised instead, it says
+                # why it trains without the compiler. A private module's documented setting:
+                # test_train's recompile-limit test fails if it goes.
+                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                    return self.compiled(**inputs)
+            except Exception as exc:
+                if memory.is_oom(exc):
+                    raise
+                self.fail(exc)
+        # Outside the except block: the failed attempt's tensors are gone with its traceback.
+        return self.eager(**inputs)
+
+    def fail(self, exc: BaseException) -> None:
+        self.failure = one_line(exc)
+
+
+def compiled(model: torch.nn.Module, plan: Plan, device: Device) -> CompiledOrEager:
+    """`model` compiled, its compilation done now on small batches in both the ways a trial
+    runs it (a training step, forward and backward, and an evaluation): torch compiles the
+    backward lazily, at the first backward pass, where no forward call could catch its
+    failure. Dynamic shapes specialise a batch of one sample (its own graphs, backward
+    included), so a plan whose training runs micro-batches of one compiles those now too."""
+    wrapped = CompiledOrEager(model, faults.compile_backend())
+    generator = torch.Generator().manual_seed(0)
+    batches = [2] + ([1] if 1 in micro_batch_sizes(plan) else [])
+    try:
+        for batch in batches:
+            shape = (batch, 8)
+            inputs = {
+                "input_ids": torch.randint(0, config_of(model).vocab_size, shape,
+                                           generator=generator),
+                "attention_mask": torch.ones(shape, dtype=torch.long),
+            }
+            inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+            wrapped.train()
+            with autocast(device, plan.precision):
+                logits = wrapped(**inputs).logits
+            logits.float().sum().backward()
+            with torch.inference_mode(), autocast(device, plan.precision):
+                wrapped.eval()
+                wrapped(**inputs)
+    except Exception as exc:
+        if memory.is_oom(exc) or wrapped.failure is not None:
+            raise
+        wrapped.fail(exc)
+    model.zero_grad(set_to_none=True)
+    wrapped.train()
+    return wrapped
+
+
+def micro_batch_sizes(plan: Plan) -> set[int]:
+    """The micro-batch sizes training runs: the physical batch, and what is left of an
+    optimizer step after whole physical batches."""
+    rest = plan.effective_batch % plan.physical_batch
+    return {plan.physical_batch} | ({rest} if rest else set())
+
+
+def make_optimizer(model: torch.nn.Module, plan: Plan, device: Device) -> torch.optim.AdamW:
+    # Biases and normalisation weights are not decayed, as in BERT's recipe.
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": plan.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # Fused kernels, one launch per step for every parameter, where torch has them for the
+    # device; its default (foreach, else a loop over parameters) where it has not.
+    fused = fused_adamw(device.type) or None
+    return torch.optim.AdamW(groups, lr=plan.learning_rate, fused=fused)
+
+
+def balanced_pos_weight(labels: torch.Tensor) -> torch.Tensor:
+    """negatives / positives per label; 1 for a label with no positives or no negatives."""
+    positives = labels.sum(0)
+    negatives = labels.shape[0] - positives
+    weight = negatives / positives.clamp(min=1)
+    return torch.where((positives > 0) & (negatives > 0), weight, torch.ones_like(weight))
+
+
+def loss_pos_weight(setting: str, labels: torch.Tensor) -> torch.Tensor | None:
+    """The loss's per-label positive weight for `training.pos_weight`: balanced, or none."""
+    return balanced_pos_weight(labels) if setting == "balanced" else None
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    step_samples: int,
+    pos_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    labels = batch.pop("labels")
+    logits = model(**batch).logits.float()
+    per_sample = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, labels, reduction="none", pos_weight=pos_weight
+    ).mean(dim=1)
+    return per_sample.sum() / step_samples
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    max_grad_norm: float,
+) -> None:
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def probe_step(
+    model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int, vocab: int,
+    optimizer: torch.optim.Optimizer | None = None, scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """One full training step (forward, backward, optimizer step) on `batch` sequences of
+    `length` tokens: the memory a real step of that size needs, optimizer state included.
+    A fresh optimizer and scaler unless given. Returns the step's loss."""
+    optimizer = optimizer or make_optimizer(model, plan, device)
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    generator = torch.Generator().manual_seed(0)
+    labels = config_of(model).num_labels
+    assert labels is not None  # a classifier's config has its labels
+    inputs = {
+        "input_ids": torch.randint(0, vocab, (batch, length), generator=generator),
+        "attention_mask": torch.ones((batch, length), dtype=torch.long),
+        "labels": torch.zeros((batch, labels)),
+    }
+    inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
+    with autocast(device, plan.precision):
+        loss = micro_batch_loss(model, inputs, batch)
+    scaler.scale(loss).backward()
+    optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
+    _synchronize(device)
+    return float(loss.detach())
+
+
+def _synchronize(device: Device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device.torch_device)
+
+
+def _loader(data: Encoded, pad_id: int, device: Device,
+            sampler: PlannedBatches) -> torch.utils.data.DataLoader[int]:
+    settings = loader_settings(device)
+    return torch.utils.data.DataLoader(
+        range(len(data)),  # type: ignore[arg-type]  # any sequence is a map-style dataset
+        batch_sampler=sampler,
+        collate_fn=Collator(data, pad_id),
+        num_workers=settings.num_workers,
+        pin_memory=settings.pin_memory,
+        persistent_workers=settings.persistent_workers,
+        prefetch_factor=settings.prefetch_factor,
+    )
+
+
+def train(
+    model: torch.nn.Module,
+    train_data: Encoded,
+    plan: Plan,
+    device: Device,
+    *,
+    pad_id: int,
+    evaluate: Callable[[torch.nn.Module], float],
+    on_evaluation: Callable[[int, float], None],
+    on_step: Callable[[Progress], None] = lambda _: None,
+    pos_weight: torch.Tensor | None = None,
+) -> Progress:
+    """Train for `plan.epochs` (or up to its `stop_after`-th evaluation); at each evaluation
+    point (`evaluation_points`) `evaluate` scores the model and `on_evaluation` hears its
+    1-based index and the score (and may raise optuna.TrialPruned to stop)."""
+    torch.manual_seed(plan.seed)
+    optimizer = make_optimizer(model, plan, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    lengths = train_data.lengths
+    steps_per_epoch = _steps_per_epoch(len(lengths), plan)
+    points = evaluation_points(steps_per_epoch, plan.evaluations_per_epoch)
+    last, into = divmod(plan.evaluations - 1, plan.evaluations_per_epoch)
+    total_steps = steps_per_epoch * last + points[into]
+    scheduler = get_linear_schedule_with_warmup(
+        optimizer, round(plan.warmup_ratio * total_steps), total_steps
+    )
+    sampler = PlannedBatches()
+    loader = _loader(train_data, pad_id, device, sampler)
+    progress = Progress(steps_per_epoch=steps_per_epoch,
+                        peak_flops=peak_flops(device, plan.precision))
+    flops = model_flops(model)
+    non_blocking = device.type == "cuda"
+    if pos_weight is not None:
+        pos_weight = pos_weight.to(device.torch_device)
+    optimizer_steps = evaluations = 0
+    for epoch in range(1, last + 2):
+        progress.epoch, progress.step = epoch, 0
+        steps = training_steps(
+            lengths, plan.effective_batch, plan.physical_batch, seed=plan.seed, epoch=epoch
+        )
+        sampler.batches = [micro for step in steps for micro in step]
+        batches = iter(loader)
+        started = time.perf_counter()
+        for step in steps:
+            running = torch.zeros((), device=device.torch_device)
+            for _ in step:
+                host = next(batches)
+                progress.count(host["attention_mask"], flops)
+                batch = {
+                    k: v.to(device.torch_device, non_blocking=non_blocking)
+                    for k, v in host.items()
+                }
+                with autocast(device, plan.precision):
+                    loss = micro_batch_loss(model, batch, plan.effective_batch, pos_weight)
+                scaler.scale(loss).backward()
+                running += loss.detach()
+            _check_finite(float(running), epoch, progress.step + 1)  # the step's one sync
+            optimizer_steps += 1
+            faults.before_optimizer_step(optimizer_steps)
+            optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
+            scheduler.step()
+            progress.step += 1
+            progress.samples += plan.effective_batch
+            progress.step_seconds += time.perf_counter() - started
+            started = time.perf_counter()
+            on_step(progress)
+            due = points.count(progress.step)
+            if not due:
+                continue
+            score = _evaluate(model, evaluate, progress, scaler)
+            for repeat in range(min(due, plan.evaluations - evaluations)):
+                evaluations += 1
+                if repeat:  # one evaluation serving two points: the second took no time
+                    progress.epoch_seconds.append(0.0)
+                on_evaluation(evaluations, score)
+            if evaluations == plan.evaluations:
+                return progress
+            started = time.perf_counter()
+    return progress
+
+
+def _check_finite(loss: float, epoch: int, step: int) -> None:
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"loss {loss} at epoch {epoch}, step {step}")
+
+
+def _steps_per_epoch(examples: int, plan: Plan) -> int:
+    steps = examples // plan.effective_batch
+    if steps == 0:
+        raise ValueError(f"the training split has {examples} examples, fewer than one "
+                         f"effective batch of {plan.effective_batch}")
+    return steps
+
+
+def _evaluate(model: torch.nn.Module, evaluate: Callable[[torch.nn.Module], float],
+              progress: Progress, scaler: torch.amp.GradScaler) -> float:
+    """`evaluate`'s score, its seconds counted, and the training and evaluation seconds since
+    the last evaluation appended to `progress.epoch_seconds` (one entry per report); the
+    scaler's scale so far recorded."""
+    if scaler.is_enabled():
+        progress.grad_scale = scaler.get_scale()
+    began = time.perf_counter()
+    score = evaluate(model)
+    progress.eval_seconds += time.perf_counter() - began
+    progress.epoch_seconds.append(progress.train_seconds - sum(progress.epoch_seconds))
+    return score
+
+
+@torch.inference_mode()
+def predict(
+    model: torch.nn.Module, data: Encoded, batch: int, device: Device, precision: str, pad_id: int
+) -> torch.Tensor:
+    """Sigmoid probabilities for every example, in the data's order."""
+    was_training = model.training
+    model.eval()
+    collate = Collator(data, pad_id)
+    out = torch.empty_like(data.labels)
+    for indices in eval_batches(data.lengths, batch):
+        inputs = {k: v.to(device.torch_device) for k, v in collate(indices).items()}
+        inputs.pop("labels")
+        with autocast(device, precision):
+            logits = model(**inputs).logits
+        out[indices] = torch.sigmoid(logits.float()).cpu()
+    model.train(was_training)
+    return out
