@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv)
     finally:
         # Only a command that opened a storage has imported the module (and optuna with it).
-        opened = sys.modules.get("hpo.search.storage")
+        opened = sys.modules.get("hpo.search.resilience")
         if opened is not None:
             opened.close_opened()
 

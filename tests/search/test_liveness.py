@@ -10,7 +10,8 @@ import pytest
 from optuna.trial import TrialState
 
 from hpo.search.liveness import LiveTrial, carry_over, fail_dead_worker, heartbeat, reap
-from hpo.search.storage import open_storage, single_attempt
+from hpo.search.resilience import single_attempt
+from hpo.search.storage import open_storage
 
 # ask() without Study.optimize is how hpo's own loop claims trials too (worker._ask).
 pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")

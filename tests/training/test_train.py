@@ -246,8 +246,12 @@ def test_preparing_a_model_for_a_cuda_device_installs_nothing_cpu_specific(tiny_
     dropout, no hooks, no new hpo module imported and no environment variable set."""
     result = subprocess.run(
         [sys.executable, "-c", PREPARE_FOR_CUDA, str(tiny_model)],
-        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in os.environ.items() if not k.startswith("HPO_FAULT_")},
+        capture_output=True, text=True, timeout=300,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("HPO_FAULT_")},
+             # conftest (tests/) and this module, as the script imports them
+             "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                            str(Path(__file__).parent),
+                                            os.environ.get("PYTHONPATH", "")])},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 

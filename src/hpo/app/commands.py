@@ -29,7 +29,7 @@ from hpo.errors import ConfigError
 if TYPE_CHECKING:
     import optuna
 
-    from hpo.search.storage import ResilientRDBStorage
+    from hpo.search.resilience import ResilientRDBStorage
     from hpo.space import PinnedSpace
 
 
@@ -268,7 +268,8 @@ def dashboard(ref: StudyRef, *, host: str, port: int, artifacts_at: str | None,
 
     from hpo.app.dashboard import DashboardArtifactStore, ReadOnlyStorage
     from hpo.search import artifacts
-    from hpo.search.storage import ResilientRDBStorage, redact
+    from hpo.search.resilience import ResilientRDBStorage
+    from hpo.search.storage import redact
 
     kind = ResilientRDBStorage if allow_writes else ReadOnlyStorage
     opened, url = open_for_reading(ref, storage_class=kind)

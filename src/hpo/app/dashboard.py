@@ -19,7 +19,7 @@ import bottle
 from optuna.artifacts.exceptions import ArtifactNotFound
 from optuna.storages import RDBStorage
 
-from hpo.search.storage import ResilientRDBStorage
+from hpo.search.resilience import ResilientRDBStorage
 
 if TYPE_CHECKING:
     from optuna.artifacts._protocol import ArtifactStore

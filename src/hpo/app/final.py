@@ -19,7 +19,7 @@ import pydantic
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.app.console import ConsoleReporter as Reporter
+from hpo.app.console import ConsoleReporter
 from hpo.config import ADAPTER_RATE, TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.data.redsm5 import Post
@@ -155,7 +155,7 @@ def validate_precision(found: Recipe, resources: Resources) -> None:
 
 
 def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num_labels: int,
-                refit: bool, reporter: Reporter) -> tuple[Plan, int]:
+                refit: bool, reporter: ConsoleReporter) -> tuple[Plan, int]:
     """The trial's plan with the batches that fit this device (the study's cached limit; a
     batch search where this kind of device has none). With --refit and the best epoch as the
     trial's value, training stops at that epoch: there is no validation split left to choose
@@ -179,7 +179,7 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
 
 
 def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold: torch.Tensor,
-              seed: int, *, refit: bool, reporter: Reporter, label: str,
+              seed: int, *, refit: bool, reporter: ConsoleReporter, label: str,
               ) -> tuple[Run, torch.nn.Module]:
     """Train the trial's configuration with `seed` (its data order and dropout; the head is
     initialised from it too) and score the weights of the epoch the study's rule keeps, as
@@ -260,7 +260,7 @@ class Options:
 
 
 def final(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
-          reporter: Reporter, cache: StudyBatchCache,
+          reporter: ConsoleReporter, cache: StudyBatchCache,
           ) -> tuple[FinalReport, torch.nn.Module]:
     """Train the chosen trial again once per seed and score every run on the test split;
     `cache` is the study's batch cache, shared with its workers.

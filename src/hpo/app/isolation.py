@@ -31,7 +31,8 @@ from hpo.hardware import Device
 from hpo.outcome import ChildDied, Outcome, as_told
 from hpo.search import artifacts
 from hpo.search.liveness import WORKER_PID, heartbeat
-from hpo.search.storage import OUTAGE_SECONDS, ResilientRDBStorage, open_storage
+from hpo.search.resilience import OUTAGE_SECONDS, ResilientRDBStorage
+from hpo.search.storage import open_storage
 from hpo.search.study import make_pruner
 from hpo.space import Params, PinnedSpace, suggest
 from hpo.training import memory, models

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the real imports load torch
 
     from hpo.data.splits import Splits
     from hpo.hardware import Device
-    from hpo.search.storage import ResilientRDBStorage
+    from hpo.search.resilience import ResilientRDBStorage
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from hpo.hardware import Device
 from hpo.outcome import GivenBack, Outcome
 from hpo.search import artifacts, budget
 from hpo.search.liveness import heartbeat, reap
-from hpo.search.storage import ResilientRDBStorage
+from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.study import (
     decide_precisions,
     finished_count,

@@ -34,7 +34,7 @@ LENGTH_NOISE = 0.05
 # within mega-batches pads less. So each epoch is also ordered by exact length rank moved by
 # a random amount within +- RANK_BLUR effective batches (samples within a step of each other
 # trade places, whatever the data's size), and the order that pads fewer tokens is trained.
-# Measured by benchmarks/padding.py (benchmarks/README.md, issue 44 item 1).
+# Measured by benchmarks/padding.py (benchmarks/README.md, "Padding at every data size").
 RANK_BLUR = 0.5
 # Finer blurs, tried too, of the rank by padded width: samples the collator pads to one
 # width are interchangeable for padding, so they come in random order among themselves and
@@ -44,8 +44,8 @@ RANK_BLUR = 0.5
 # and steps still change company from epoch to epoch; a blur of a fraction of a step mixes
 # more where a width holds fewer. A blur is admitted only where its orders of this epoch and
 # the next keep, on average, at most MAX_KEPT of each sample's step-mates together: no more
-# than the half-step blur keeps on data of distinct lengths (benchmarks/README.md, issue 44
-# item 1, issue 59 item 2). On a few hundred posts of wide spread they keep more, and are not
+# than the half-step blur keeps on data of distinct lengths (benchmarks/README.md,
+# "Padding at every data size"). On a few hundred posts of wide spread they keep more, and are not
 # admitted.
 FINE_RANK_BLURS = (0.25, 0.125, 0.0)
 MAX_KEPT = 0.6

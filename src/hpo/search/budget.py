@@ -27,7 +27,7 @@ from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
 from optuna.trial import TrialState
 
 from hpo import interrupts
-from hpo.search.storage import OUTAGE_SECONDS, retrying
+from hpo.search.resilience import OUTAGE_SECONDS, retrying
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
 

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from hpo.outcome import Reaped
 from hpo.search import budget
-from hpo.search.storage import ResilientRDBStorage, single_attempt
+from hpo.search.resilience import ResilientRDBStorage, single_attempt
 
 T = TypeVar("T")
 Lock = Callable[[], AbstractContextManager[object]]
@@ -192,7 +192,7 @@ def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | No
     return number
 
 
-def write_kept(live: LiveTrial, write: Callable[[optuna.Trial], T],
+def write_carried(live: LiveTrial, write: Callable[[optuna.Trial], T],
                lock: Lock = contextlib.nullcontext) -> T:
     """Run `write` on the live trial; if the trial was reaped while it ran, carry it over to
     its waiting copy (under the study `lock`) and write there, else raise Reaped. The copy

@@ -19,7 +19,8 @@ from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
 from hpo.search import budget, release
-from hpo.search.storage import ResilientRDBStorage, retry_callback
+from hpo.search.resilience import ResilientRDBStorage
+from hpo.search.storage import retry_callback
 from hpo.space import PIN_ATTR, PinnedSpace, by_cost, pin
 from hpo.training.memory import BatchLimit
 

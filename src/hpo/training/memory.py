@@ -158,7 +158,7 @@ def search_bound(device: Device, target: int, max_physical: int) -> int:
 
 
 # What a worker holds on a CUDA device outside its allocator's reserve (its context and the
-# libraries' modules: about 1.3 GB on the H200, benchmarks/README.md "On a GPU"), with an
+# libraries' modules; measured in benchmarks/README.md, "On a GPU"), with an
 # isolating parent's context beside it, stays under this share of the device, or this much
 # on a small card; beyond it, another process is using the device. The same share a shared
 # GPU's workers leave outside their allocators' caps (`Device.memory_fraction`).

@@ -11,8 +11,8 @@ from typing import Protocol, TypeVar
 
 import optuna
 
-from hpo.search.liveness import LiveTrial, Lock, write_kept
-from hpo.search.storage import ResilientRDBStorage
+from hpo.search.liveness import LiveTrial, Lock, write_carried
+from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.study import StudyBatchCache, shared_batch_cache
 from hpo.space import Params
 from hpo.training.train import Plan, Progress
@@ -59,8 +59,8 @@ class TrialContext:
 
     def write(self, write: Callable[[optuna.Trial], T]) -> T:
         """`write` on the live trial, followed to its retry copy if it was reaped meanwhile
-        (`liveness.write_kept`)."""
-        return write_kept(self.live, write, self.lock)
+        (`liveness.write_carried`)."""
+        return write_carried(self.live, write, self.lock)
 
 
 def claimed(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,

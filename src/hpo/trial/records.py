@@ -19,7 +19,7 @@ from hpo.errors import one_line
 from hpo.hardware import fused_adamw, library_versions
 from hpo.outcome import Outcome
 from hpo.search import artifacts, liveness
-from hpo.search.storage import batched_user_attrs
+from hpo.search.resilience import batched_user_attrs
 from hpo.training import adapters, export, metrics
 from hpo.training.memory import BatchLimit, DeviceMemory
 from hpo.training.models import config_of

@@ -55,7 +55,7 @@ ROUNDS = 3
 MEMORY_SHARE = 0.5
 
 
-class Reporter(Protocol):
+class Messenger(Protocol):
     def message(self, text: str) -> None: ...
 
 
@@ -327,7 +327,7 @@ def _predictions_not_finite(model: torch.nn.Module, plan: Plan, device: Device,
 
 
 def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...],
-           report: Reporter) -> list[Verdict]:
+           report: Messenger) -> list[Verdict]:
     """The study's verdicts for this kind of device, checked now if no worker has; raises
     CheckError when nothing is usable."""
     verdicts = stored(study, resources.device) or []
@@ -356,7 +356,7 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
     return verdicts
 
 
-def kept_for_study(checked: list[Verdict], device: Device, report: Reporter) -> list[Verdict]:
+def kept_for_study(checked: list[Verdict], device: Device, report: Messenger) -> list[Verdict]:
     """The verdicts every worker on this kind of device may trust. A step that ran out of
     memory while other processes held part of the device says nothing of the device alone
     (the batch cache's rule, `planning.fit_batch`): the study keeps no verdict on it, this
