@@ -3,7 +3,7 @@ on a simulated device that holds `limit` samples, for hpo and two peers run for 
 
     PYTHONPATH=src python benchmarks/batch_search.py
 
-hpo: `hpo.training.memory.search(step, 256, BatchLimit())`, then again with the limit it
+hpo: `hpo.trial.batch_limit.search(step, 256, BatchLimit())`, then again with the limit it
 returned (the study cache hit), and the micro-batch trained with, `physical_batch(limit, 256, 0.9)`.
 accelerate: `find_executable_batch_size(starting_batch_size=256)` around one step.
 Lightning: `Tuner.scale_batch_size(mode="binsearch", init_val=2, max_trials=25,
@@ -29,7 +29,7 @@ from accelerate.utils import find_executable_batch_size
 from lightning.pytorch.tuner import Tuner
 from torch.utils.data import DataLoader, TensorDataset
 
-from hpo.training.memory import BatchLimit, physical_batch, search
+from hpo.trial.batch_limit import BatchLimit, physical_batch, search
 
 LIMITS = (1, 3, 7, 23, 37, 100, 200, 255, 256)
 BOUND = 256

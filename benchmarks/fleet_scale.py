@@ -31,7 +31,6 @@ import threading
 import time
 import types
 import uuid
-from pathlib import Path
 
 import sqlalchemy
 
@@ -92,7 +91,6 @@ class _Torchless(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _torchless() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     sys.meta_path.insert(0, _Torchless())
 
 

@@ -37,14 +37,12 @@ from pathlib import Path
 import optuna
 import yaml
 from optuna.trial import TrialState
+from search_quality import cpu_model, versions
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from search_quality import cpu_model, versions  # noqa: E402
-
-from hpo import config as config_module  # noqa: E402
-from hpo import study_files  # noqa: E402
-from hpo.hardware import detect, native_precisions  # noqa: E402
-from hpo.search.study import SPLITS  # noqa: E402
+from hpo import config as config_module
+from hpo import study_files
+from hpo.hardware import detect, native_precisions
+from hpo.search.study import SPLITS
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = Path(__file__).resolve().parent / "learning_curves.json"

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import optuna
 import sqlalchemy
@@ -131,5 +129,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     main()

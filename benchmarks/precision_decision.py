@@ -29,8 +29,7 @@ from collections import Counter
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from search_quality import cpu_model, versions  # noqa: E402
+from search_quality import cpu_model, versions
 
 REPO = Path(__file__).resolve().parents[1]
 DECISION = re.compile(r"precisions searched: .*")
@@ -108,7 +107,7 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=1,
                         help="busy processes beside the loaded creations")
     parser.add_argument("--output", type=Path,
-                        default=REPO / "benchmarks" / "precision_decision.json")
+                        default=REPO / "benchmarks" / "results" / "precision_decision.json")
     args = parser.parse_args()
     results = {"idle": condition(args.repeats, 0),
                f"{args.load} busy core{'s' if args.load != 1 else ''}":

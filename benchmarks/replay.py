@@ -34,8 +34,8 @@ trial's set-up its recorded seconds, plus the tokenization where its worker has 
 that model yet, plus hpo's batch search where the study has none cached for the model and
 precision; the peers' trials cost the table's seconds times their measured slowdown against
 hpo on the table's CPU kind, and every worker starts after its tool's measured start-up (both
-from benchmarks/search_quality.json); `--even-costs` prices every tool as hpo. A table in the
-JSON Lines format (`--table`, benchmarks/tables.py) has no costs but its reports' seconds:
+from benchmarks/results/search_quality.json); `--even-costs` prices every tool as hpo. A table
+in the JSON Lines format (`--table`, benchmarks/tables.py) has no costs but its reports' seconds:
 every policy pays the same. Not simulated: the samplers' own seconds.
 """
 
@@ -76,7 +76,7 @@ from hpo.space import PinnedSpace, by_cost, declare, suggest
 
 HERE = Path(__file__).resolve().parent
 TABLE = HERE / "learning_curves.json"
-REAL = HERE / "search_quality.json"
+REAL = HERE / "results" / "search_quality.json"
 REAL_PRUNER = ("study.pruner.name=median", "study.pruner.n_startup_trials=4",
                "study.pruner.n_warmup_steps=1")
 # The expert run again with other seeds: the null check's copy.
@@ -1014,7 +1014,7 @@ def draw(results: list[dict], plot: Path) -> None:
 
 
 def reality(real_path: Path, table_path: Path) -> str:
-    """The real runs of benchmarks/search_quality.json on the table's CPU kind replayed with
+    """The real runs of benchmarks/results/search_quality.json on the table's CPU kind replayed with
     their seeds and budget: each tool's wall time and best, real against replayed."""
     real, table = json.loads(real_path.read_text()), json.loads(table_path.read_text())
     curves = Curves(table)

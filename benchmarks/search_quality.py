@@ -5,7 +5,7 @@ against three peers on the demo study, each run alone on the whole machine.
     python benchmarks/search_quality.py --seeds 3 4 --append         # more seeds, later
     python benchmarks/search_quality.py --variant "native=search_space.fp_precision=native" \
         --no-default --append
-    python benchmarks/search_quality.py --render benchmarks/search_quality.json
+    python benchmarks/search_quality.py --render benchmarks/results/search_quality.json
 
 The peers (benchmarks/peer_trainer.py, benchmarks/peer_ray.py), each given the study's data
 split, space, epochs, warm-up, clipping, loss weights, TPE start-up trials and seed:
@@ -521,8 +521,8 @@ def main() -> None:
     parser.add_argument("--rerun", nargs="*", choices=("hpo", *PEERS), default=[],
                         help="with --append: run these tools again for --seeds (their code "
                              "changed since)")
-    parser.add_argument("--output", type=Path, default=HERE / "search_quality.json")
-    parser.add_argument("--plot", type=Path, default=HERE / "search_quality.png")
+    parser.add_argument("--output", type=Path, default=HERE / "results" / "search_quality.json")
+    parser.add_argument("--plot", type=Path, default=HERE / "results" / "search_quality.png")
     parser.add_argument("--render", type=Path, default=None,
                         help="write the report again from this JSON; run nothing")
     args = parser.parse_args()

@@ -48,12 +48,11 @@ from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
+from postgres import PrivateServer  # the tests' disposable server, beside this script
 
 from hpo.app.launcher import exit_code
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from postgres import PrivateServer  # noqa: E402 - the tests' disposable server
 
 STUDY = "demo"
 SETTINGS = ("--set", "search_space.model_name=[data/demo/models/tiny-bert]",

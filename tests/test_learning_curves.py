@@ -4,19 +4,15 @@ reach the table (its trials themselves are `hpo run`'s, tested there)."""
 from __future__ import annotations
 
 import json
-import sys
 
+import learning_curves
 import optuna
 import pytest
-from conftest import REPO
 from optuna.trial import TrialState
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import learning_curves  # noqa: E402
-
-from hpo import config as config_module  # noqa: E402
-from hpo import study_files  # noqa: E402
-from hpo.search.study import SPLITS  # noqa: E402
+from hpo import config as config_module
+from hpo import study_files
+from hpo.search.study import SPLITS
 
 
 def demo() -> config_module.StudyConfig:

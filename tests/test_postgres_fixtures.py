@@ -1,4 +1,4 @@
-"""Tests of the PostgreSQL test helpers in tests/postgres.py."""
+"""Tests of the PostgreSQL test helpers in benchmarks/postgres.py (the tests' and the soak's)."""
 
 from __future__ import annotations
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
 import pytest
+import replay
 from conftest import REPO, require
 
 from hpo.search.study import PerTrialSeeded
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import replay  # noqa: E402
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 TINY = "data/demo/models/tiny-bert"
@@ -291,8 +288,8 @@ def main_run(tmp_path, *args: str) -> dict:
 def test_every_policy_runs_and_the_output_holds_the_yardsticks_figures(tmp_path):
     table = tmp_path / "table.json"
     made = made_up_table()
-    made["machine"] = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())[
-        "runs"][0]["machine"]
+    real = REPO / "benchmarks" / "results" / "search_quality.json"
+    made["machine"] = json.loads(real.read_text())["runs"][0]["machine"]
     table.write_text(json.dumps(made))
     names = [p for p in replay.PEERS if p not in ("ray", "ray-rf2", "bohb")]
     result = main_run(tmp_path, "--budget", "6", "--workers", "2", "--repetitions", "2",
@@ -328,7 +325,7 @@ def test_compute_modes_horizon_is_the_median_wall_of_the_novices_trials(tmp_path
 
 
 def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_path):
-    real = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())
+    real = json.loads((REPO / "benchmarks" / "results" / "search_quality.json").read_text())
     made = made_up_table()
     made["machine"] = real["runs"][0]["machine"]
     facts = replay.measured(real, made["machine"])
@@ -409,7 +406,7 @@ def test_render_plots_regret_and_rank_over_time(tmp_path):
 
 
 def test_reality_replays_the_real_runs_of_the_tables_cpu_kind(tmp_path, capsys):
-    real = json.loads((REPO / "benchmarks" / "search_quality.json").read_text())
+    real = json.loads((REPO / "benchmarks" / "results" / "search_quality.json").read_text())
     machine = next(r["machine"] for r in real["runs"] if r["seed"] == 3)
     real["runs"] = [r for r in real["runs"] if r["tool"] != "ray"]  # Ray: its own test
     (tmp_path / "real.json").write_text(json.dumps(real))

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import pytest
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import replay_lcbench  # noqa: E402
-import tables  # noqa: E402
+import replay_lcbench
+import tables
 
 TASKS = ["3945", "7593"]
 

@@ -3,12 +3,7 @@ runs: each seed's variants against the first variant's run of that seed."""
 
 from __future__ import annotations
 
-import sys
-
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import search_quality  # noqa: E402
+import search_quality
 
 
 def run(label: str, seed: int, wall: float, trials: list[tuple[str, float, float]]) -> dict:

@@ -4,16 +4,13 @@ searches, read back and looked up as the replay reads it."""
 from __future__ import annotations
 
 import json
-import sys
 
 import optuna
 import pytest
+import replay
+import tables
 from conftest import REPO
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import replay  # noqa: E402
-import tables  # noqa: E402
 
 SPACE = {"opt": CategoricalDistribution(["sgd", "adam"]),
          "lr": FloatDistribution(1e-4, 1e-1, log=True),

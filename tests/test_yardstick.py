@@ -4,13 +4,9 @@ on made-up worlds."""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import yardstick  # noqa: E402
+import yardstick
 
 
 def world(horizon: float = 100.0, best: float = 0.9, baseline: float = 0.5, **steps) -> dict:

@@ -344,6 +344,7 @@ def _search_one(name: str, path: Path, precision: str, setting: Setting) -> dict
     from hpo.training import memory
     from hpo.training.models import ModelStore
     from hpo.training.train import Plan, prepare, probe_step
+    from hpo.trial import batch_limit
 
     device = detect(setting.device)
     plan = Plan(precision=precision, effective_batch=setting.max_batch, physical_batch=1,
@@ -359,9 +360,9 @@ def _search_one(name: str, path: Path, precision: str, setting: Setting) -> dict
         probe_step(holder["model"], plan, device, batch, setting.max_length,
                    holder["model"].config.vocab_size)
 
-    found = memory.search(step, setting.max_batch, memory.BatchLimit(),
-                          memory.device_memory_probe(device))
-    physical = memory.physical_batch(found.limit, setting.max_batch, 0.9)
+    found = batch_limit.search(step, setting.max_batch, batch_limit.BatchLimit(),
+                               memory.device_memory_probe(device))
+    physical = batch_limit.physical_batch(found.limit, setting.max_batch, 0.9)
     true, bisection_steps = largest_fitting(step, setting.max_batch)
     mark = memory.device_memory(device)
     for _ in range(3):  # training at the chosen batch: an OOM here is the check's failure
@@ -543,7 +544,7 @@ def shared_gpu(study: Any, rows: list[dict[str, Any]], logs: list[Path],
     warned of it, which trials were planned beside the other's memory (`device_shared_gib`),
     the study's cached batch limits and any put there under contention, and `oom` prunes."""
     from hpo.hardware import detect
-    from hpo.search.study import StudyBatchCache
+    from hpo.trial.batch_limit import StudyBatchCache
 
     warnings = sum(log.read_text(errors="replace").count(SHARED_WARNING)
                    for log in logs if log.exists())

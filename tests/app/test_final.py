@@ -325,8 +325,8 @@ def test_a_device_others_use_is_searched_for_what_is_left_and_the_user_told(
     from hpo.app import final as final_module
     from hpo.config import StudyConfig
     from hpo.hardware import Device
-    from hpo.search.study import StudyBatchCache
     from hpo.space import Params
+    from hpo.trial.batch_limit import StudyBatchCache
 
     config = StudyConfig.model_validate(study_dict(["m"], tmp_path))
     device = Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30)

@@ -1,7 +1,6 @@
 """Creating and joining a study, its pinned space, and the batch-size cache its workers share.
 Real storages, real processes."""
 
-import math
 import subprocess
 import sys
 
@@ -13,11 +12,9 @@ from conftest import REPO, start_worker
 from hpo.cli import main
 from hpo.hardware import detect, native_precisions, precision_names
 from hpo.search.storage import open_storage
-from hpo.search.study import StudyBatchCache, decide_precisions, join
+from hpo.search.study import decide_precisions, join
 from hpo.space import CROWDED, PIN_ATTR, PinnedSpace, by_cost
 from hpo.study_files import load
-from hpo.training import memory
-from hpo.training.memory import BatchLimit
 from hpo.trial import step_check
 
 
@@ -127,69 +124,6 @@ def test_many_workers_create_one_study_on_an_empty_database(tiny_study, pg_url):
     assert [s.study_name for s in summaries] == ["tiny"]
 
 
-def test_study_batch_cache_round_trip_and_lowering():
-    study = optuna.create_study()
-    cache = StudyBatchCache(study)
-    assert cache.get("k") == BatchLimit()
-    cache.update("k", BatchLimit(5, 6))
-    assert StudyBatchCache(study).get("k") == BatchLimit(5, 6)
-    lowered = cache.lower("k", 4)
-    assert lowered == BatchLimit(3, 4)
-    assert memory.physical_batch(lowered, 32, 0.9) == math.floor(0.9 * 3)
-
-
-def test_an_oom_at_one_sample_prunes_its_trial_but_is_not_kept_for_the_study():
-    """Issue 30: one OOM at micro-batch 1 (a GPU another process filled for a moment) was
-    stored, and every later trial of that model and precision was pruned for good."""
-    study = optuna.create_study()
-    cache = StudyBatchCache(study)
-    cache.update("k", BatchLimit(8, 12))
-    assert cache.lower("k", 1) == BatchLimit(0, 1)  # this trial goes by it
-    assert StudyBatchCache(study).get("k") == BatchLimit(8, 12)  # the study keeps what it knew
-    assert cache.update("new", BatchLimit(0, 1)) == BatchLimit(0, 1)
-    assert StudyBatchCache(study).get("new") == BatchLimit()
-    assert "batch_limit:new" not in study.user_attrs
-    assert cache.lower("k", 2) == BatchLimit(1, 2)  # an OOM at 2 still lowers it for all
-    assert StudyBatchCache(study).get("k") == BatchLimit(1, 2)
-
-
-def test_study_batch_cache_merges_what_another_worker_wrote(any_storage):
-    optuna.create_study(study_name="s", storage=any_storage)
-    mine = StudyBatchCache(optuna.load_study(study_name="s", storage=any_storage))
-    theirs = StudyBatchCache(optuna.load_study(study_name="s", storage=any_storage))
-    theirs.update("k", BatchLimit(8, 12))
-    assert mine.update("k", BatchLimit(10, None)) == BatchLimit(10, 12)
-
-
-def test_batch_cache_is_shared_between_workers(one_model_study, pg_url):
-    env = {"HPO_FAULT_OOM_ABOVE_BATCH": "5"}
-    first = start_worker(one_model_study, pg_url, 1, env=env)
-    assert first.wait(timeout=300) == 0, first.stderr.read()
-    second = start_worker(one_model_study, pg_url, 3, env=env)
-    assert second.wait(timeout=300) == 0, second.stderr.read()
-    trials = sorted(optuna.load_study(study_name="tiny", storage=pg_url).trials,
-                    key=lambda t: t.number)
-    assert 1 <= trials[0].user_attrs["batch_probes"] <= 9
-    assert trials[0].user_attrs["worker"] != trials[1].user_attrs["worker"]
-    assert [t.user_attrs["batch_probes"] for t in trials[1:]] == [0, 0]
-    assert all(t.user_attrs["physical_batch_size"] == 4 for t in trials)
-
-
-def test_a_lowered_batch_is_seen_by_the_next_worker(one_model_study, pg_url):
-    lowering = start_worker(one_model_study, pg_url, 1, env={"HPO_FAULT_OOM_AT_STEP": "2"})
-    assert lowering.wait(timeout=300) == 0, lowering.stderr.read()
-    study = optuna.load_study(study_name="tiny", storage=pg_url)
-    (oom,) = study.trials
-    assert oom.user_attrs["prune_reason"] == "oom"
-    lowered_to = oom.user_attrs["batch_limit_after_oom"]["largest_ok"]
-    assert main(["run", "--config", str(one_model_study), "--storage", pg_url,
-                 "--n-trials", "2"]) == 0
-    second = optuna.load_study(study_name="tiny", storage=pg_url).trials[1]
-    assert second.user_attrs["batch_probes"] == 0
-    assert second.user_attrs["physical_batch_size"] <= int(0.9 * lowered_to) or (
-        second.user_attrs["physical_batch_size"] == 1)
-
-
 def test_heartbeat_settings_are_fixed_in_the_study_when_it_is_created(tiny_study, tmp_path):
     from conftest import CPU_AVX2
 
@@ -210,27 +144,6 @@ def test_heartbeat_settings_are_fixed_in_the_study_when_it_is_created(tiny_study
         assert storage.get_heartbeat_stale_trial_callback()._max_retry == 1
     assert study.user_attrs["liveness"] == {"heartbeat_interval": 2, "grace_period": 8,
                                             "max_retry": 1}
-
-
-def test_the_shared_batch_cache_is_updated_under_the_study_lock(any_storage):
-    import threading
-    import time
-
-    from hpo.search import budget
-    from hpo.search.storage import open_storage
-    from hpo.search.study import shared_batch_cache
-
-    storage = open_storage(any_storage)
-    study = optuna.create_study(study_name="s", storage=storage)
-    cache = shared_batch_cache(study, storage)
-    with budget.study_lock(storage.engine, "s"):  # another worker merging its own finding
-        writer = threading.Thread(target=cache.update, args=("k", BatchLimit(8, 12)))
-        writer.start()
-        time.sleep(1)
-        assert cache.get("k") == BatchLimit()  # it waits for the lock
-    writer.join()
-    assert cache.get("k") == BatchLimit(8, 12)
-    storage.engine.dispose()
 
 
 def test_a_worker_on_another_data_split_is_refused(one_model_study, tmp_path, capsys):

@@ -16,12 +16,11 @@ from transformers import AutoModelForSequenceClassification
 from hpo.cli import main
 from hpo.config import TrainingConfig
 from hpo.hardware import detect
-from hpo.search.study import StudyBatchCache
 from hpo.space import Params
 from hpo.training import adapters
 from hpo.training.models import ModelStore
 from hpo.trial import step_check
-from hpo.trial.planning import cache_key
+from hpo.trial.batch_limit import StudyBatchCache, cache_key
 
 FAMILIES = ("bert", "deberta-v3", "electra", "roberta")
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from hpo.training import memory
-from hpo.training.memory import BatchLimit
 
 
 @pytest.mark.parametrize(
@@ -48,61 +47,13 @@ def test_real_cpu_allocation_failure_is_oom():
         pytest.skip("the allocator accepted 4 EiB")
 
 
-def simulated(limit: int):
-    calls = []
-
-    def step(batch: int) -> None:
-        calls.append(batch)
-        if batch > limit:
-            raise torch.OutOfMemoryError(f"CUDA out of memory at {batch}")
-
-    return step, calls
-
-
-@pytest.mark.parametrize("limit", [1, 3, 7, 23, 37, 100, 200, 255, 256])
-def test_search_finds_the_limit_within_nine_probes(limit):
-    step, calls = simulated(limit)
-    result = memory.search(step, 256, BatchLimit())
-    assert result.limit.largest_ok == limit
-    assert result.probes == len(calls) <= 9
-    if limit < 256:
-        assert result.limit.smallest_fail == limit + 1
-
-
-def test_search_when_even_one_sample_fails():
-    step, _ = simulated(0)
-    result = memory.search(step, 64, BatchLimit())
-    assert result.limit.largest_ok == 0
-    assert result.limit.smallest_fail == 1
-
-
-def test_known_limit_needs_no_probe():
-    step, calls = simulated(5)
-    first = memory.search(step, 32, BatchLimit())
-    again = memory.search(step, 64, first.limit)
-    assert again.probes == 0 and calls == [32, 16, 8, 4, 6, 5]
-    assert memory.search(step, 4, BatchLimit(8, None)).probes == 0
-
-
-def test_search_continues_from_a_lower_bound():
-    step, calls = simulated(100)
-    result = memory.search(step, 256, BatchLimit(32, None))
-    assert result.limit == BatchLimit(100, 101)
-    assert min(calls) > 32
-
-
-def test_other_errors_in_a_probe_propagate():
-    def step(batch: int) -> None:
-        raise ValueError("bad input")
-
-    with pytest.raises(ValueError):
-        memory.search(step, 16, BatchLimit())
-
-
 def test_memory_is_released_after_a_failed_probe_only(monkeypatch):
     released = []
     monkeypatch.setattr(memory, "release_memory", lambda: released.append(True))
-    step, _ = simulated(3)
+    def step(batch: int) -> None:
+        if batch > 3:
+            raise torch.OutOfMemoryError(f"CUDA out of memory at {batch}")
+
     assert not memory.fits(step, 4)
     assert len(released) == 1
     assert memory.fits(step, 3)
@@ -133,69 +84,6 @@ def test_objects_are_frozen_within_the_block_and_given_back_after():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert frozen_cycle() is None
-
-
-@pytest.mark.parametrize(
-    ("limit", "bound", "expected"),
-    [
-        (BatchLimit(5, 6), 32, 4),  # a GPU that holds 5: margin 0.9 -> 4
-        (BatchLimit(1, 2), 32, 1),  # never below 1
-        (BatchLimit(32, None), 32, 32),  # no limit met below the bound: no margin
-        (BatchLimit(200, 201), 32, 32),  # limit far above the bound
-        (BatchLimit(100, 101), 256, 90),
-    ],
-)
-def test_physical_batch(limit, bound, expected):
-    assert memory.physical_batch(limit, bound, 0.9) == expected
-
-
-def test_eval_batch_is_larger_than_training_batch():
-    assert memory.eval_batch(BatchLimit(5, 6), 4, 32) == 5
-    assert memory.eval_batch(BatchLimit(32, None), 32, 32) == 64
-
-
-def test_merge_keeps_the_tighter_bounds():
-    assert BatchLimit(10, None).merge(BatchLimit(20, 40)) == BatchLimit(20, 40)
-    assert BatchLimit(30, 40).merge(BatchLimit(0, 25)) == BatchLimit(24, 25)
-    assert BatchLimit(16, None).after_oom(16) == BatchLimit(15, 16)
-
-
-def linear_device(static: int, per_sample: int, capacity: int):
-    """A fake GPU whose peak memory grows linearly with the batch."""
-    last = {}
-
-    def step(batch: int) -> None:
-        last["peak"] = static + per_sample * batch
-        if last["peak"] > capacity:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-
-    return step, memory.MemoryProbe(capacity, lambda: last["peak"])
-
-
-@pytest.mark.parametrize("per_sample_mb", [60, 150, 400, 1400, 7000])
-def test_memory_model_finds_the_limit_in_fewer_probes(per_sample_mb):
-    gib, mib = 2**30, 2**20
-    step, probe = linear_device(2 * gib, per_sample_mb * mib, 16 * gib)
-    true_limit = (14 * gib) // (per_sample_mb * mib)
-    guided = memory.search(step, 256, BatchLimit(), probe)
-    plain = memory.search(step, 256, BatchLimit())
-    assert guided.limit == plain.limit == BatchLimit(true_limit, true_limit + 1)
-    assert guided.probes <= 5 < plain.probes
-
-
-def test_memory_model_that_is_wrong_still_finds_the_limit():
-    # Memory that grows with the square of the batch: the line overestimates the limit.
-    last = {}
-
-    def step(batch: int) -> None:
-        last["peak"] = 1000 + 3 * batch**2
-        if last["peak"] > 60_000:
-            raise torch.OutOfMemoryError("CUDA out of memory")
-
-    result = memory.search(step, 256, BatchLimit(), memory.MemoryProbe(60_000,
-                                                                      lambda: last["peak"]))
-    assert result.limit == BatchLimit(140, 141)
-    assert result.probes <= 13
 
 
 def test_no_memory_probe_on_a_cpu():
@@ -231,18 +119,6 @@ def test_a_trials_device_memory_is_read_on_cuda_and_nowhere_else(monkeypatch):
     assert counts["resets"] == 2
     assert memory.after_trial(gpu, mark).to_attrs() == {
         "memory_before_mib": 512.0, "peak_memory_mib": 3072.0, "memory_after_mib": 512.0}
-
-
-def test_a_gpu_searches_to_the_physical_limit_and_a_cpu_to_the_trials_batch():
-    """On a GPU a model and precision is searched once, to the limit, so a later trial at a
-    larger effective batch probes nothing; on a CPU each probe above what fits would meet the
-    OOM killer, so the search stops at the trial's own batch."""
-    from conftest import CPU_AVX2, H100
-
-    assert memory.search_bound(H100, target=8, max_physical=256) == 256
-    assert memory.search_bound(H100, target=512, max_physical=256) == 256
-    assert memory.search_bound(CPU_AVX2, target=8, max_physical=256) == 8
-    assert memory.search_bound(CPU_AVX2, target=512, max_physical=256) == 256
 
 
 def test_a_steps_memory_is_its_peak_above_what_the_process_held():

@@ -40,11 +40,11 @@ def test_a_trials_value_and_its_records_come_from_its_best_epoch(tiny_study, sto
 
 def test_cross_validation_scores_each_fold_and_searches_the_batch_once(
         one_model_study, storage, monkeypatch):
-    import hpo.trial.planning
+    import hpo.trial.batch_limit
 
     searches = []
-    original = hpo.trial.planning._find_batch
-    monkeypatch.setattr(hpo.trial.planning, "_find_batch",
+    original = hpo.trial.batch_limit._find_batch
+    monkeypatch.setattr(hpo.trial.batch_limit, "_find_batch",
                         lambda *a, **k: searches.append(1) or original(*a, **k))
     assert run(one_model_study, storage, 2, "--set", "data.cv_folds=3") == 0
     ended = trials(storage)
@@ -172,11 +172,10 @@ def _fake_fit(values: list[float]):
     """A `drivers.fit` whose epochs score `values`, with no model trained."""
     from hpo.training import metrics
 
-    def fit(_models, _name, _training, _plan, _resources, _data, _pad_id, _evaluate, scores,
-            *, on_evaluation, **_kwargs):
+    def fit(job, _resources, listener):
         for epoch, value in enumerate(values, 1):
-            scores.append(metrics.Scores(value, value, {}))
-            on_evaluation(epoch, value)
+            job.scores.append(metrics.Scores(value, value, {}))
+            listener.evaluated(epoch, value)
         return None, len(values)
 
     return fit
@@ -189,8 +188,8 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
     import torch
 
     from hpo.search.liveness import LiveTrial
-    from hpo.search.study import StudyBatchCache
     from hpo.trial import drivers
+    from hpo.trial.batch_limit import StudyBatchCache
     from hpo.trial.context import TrialContext
 
     monkeypatch.setattr(drivers, "fit", _fake_fit(values))
@@ -200,7 +199,7 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
     resources = SimpleNamespace(
         config=SimpleNamespace(study=SimpleNamespace(objective="macro_f1",
                                                      objective_epoch=rule)),
-        keeper=None, models=None, device=None, label_names=("a",),
+        keeper=None, models=None, device=SimpleNamespace(type="cpu"), label_names=("a",),
         gold=lambda: torch.zeros((1, 1), dtype=torch.bool))
     planned = SimpleNamespace(plan=SimpleNamespace(epochs=len(values), evaluations=len(values),
                                                   evaluations_per_epoch=1), pad_id=0,

@@ -193,7 +193,7 @@ def test_every_end_of_a_trial_is_mapped_to_its_state_in_one_function():
 
 def _context(study: optuna.Study | None = None):
     from hpo.search.liveness import LiveTrial
-    from hpo.search.study import StudyBatchCache
+    from hpo.trial.batch_limit import StudyBatchCache
     from hpo.trial.context import TrialContext
 
     study = study or optuna.create_study()
@@ -202,7 +202,7 @@ def _context(study: optuna.Study | None = None):
 
 def test_tell_prunes_an_oom_and_lowers_the_studys_batch_limit_for_what_it_tried():
     from hpo.outcome import Outcome
-    from hpo.training.memory import BatchLimit
+    from hpo.trial.batch_limit import BatchLimit
     from hpo.trial.executor import tell
 
     context = _context()
@@ -217,7 +217,7 @@ def test_tell_prunes_an_oom_and_lowers_the_studys_batch_limit_for_what_it_tried(
 
 def test_tell_leaves_the_batch_limit_alone_when_a_trial_fails_otherwise():
     from hpo.outcome import Outcome
-    from hpo.training.memory import BatchLimit
+    from hpo.trial.batch_limit import BatchLimit
     from hpo.trial.executor import tell
 
     context = _context()
@@ -237,33 +237,3 @@ def test_tell_drops_the_result_of_a_trial_reaped_with_no_copy_to_carry_it():
     told, frozen = tell(context, Outcome(TrialState.COMPLETE, value=0.5))
     assert told.dropped and "was reaped while it ran" in told.dropped
     assert frozen.state == TrialState.FAIL and frozen.value is None
-
-
-def test_an_oom_lowers_the_studys_limit_only_where_the_device_was_not_shared(monkeypatch):
-    from types import SimpleNamespace
-
-    from conftest import H100
-
-    from hpo.outcome import Outcome
-    from hpo.trial import executor
-
-    oom = Outcome(TrialState.PRUNED, prune_reason="oom", error="out of memory")
-    planned = SimpleNamespace(batch_key="m|bf16", plan=SimpleNamespace(physical_batch=12),
-                              shared_bytes=0)
-    held = [0]
-    asked = []
-    monkeypatch.setattr(executor.memory, "foreign_bytes",
-                        lambda _device: asked.append(1) or held[0])
-    assert executor.tried_alone(oom, planned, H100) == ("m|bf16", 12)  # type: ignore[arg-type]
-    held[0] = 2**30  # another process holds memory now
-    assert executor.tried_alone(oom, planned, H100) is None  # type: ignore[arg-type]
-    held[0] = 0
-    planned.shared_bytes = 2**30  # it did when the batch was fitted
-    assert executor.tried_alone(oom, planned, H100) is None  # type: ignore[arg-type]
-    assert executor.tried_alone(oom, None, H100) is None
-    # Any other end asks the device nothing.
-    asked.clear()
-    failed = Outcome(TrialState.FAIL, error="device-side assert")
-    planned.shared_bytes = 0
-    assert executor.tried_alone(failed, planned, H100) is None  # type: ignore[arg-type]
-    assert asked == []

@@ -16,10 +16,9 @@ from conftest import study_dict
 from hpo.config import StudyConfig
 from hpo.hardware import Device
 from hpo.search.liveness import LiveTrial
-from hpo.search.study import StudyBatchCache
 from hpo.space import Params, PinnedSpace
-from hpo.training.memory import BatchLimit
-from hpo.trial import planning, step_check
+from hpo.trial import batch_limit, planning, step_check
+from hpo.trial.batch_limit import BatchLimit, StudyBatchCache
 from hpo.trial.context import TrialContext
 from hpo.trial.resources import Resources
 
@@ -55,16 +54,16 @@ def fits_up_to(monkeypatch):
             raise torch.OutOfMemoryError("fake: out of memory")
         return 0.0
 
-    monkeypatch.setattr(planning.adapters, "build", model)
-    monkeypatch.setattr(planning, "prepare", lambda built, _plan, _device: built)
-    monkeypatch.setattr(planning, "probe_step", step)
+    monkeypatch.setattr(batch_limit.adapters, "build", model)
+    monkeypatch.setattr(batch_limit, "prepare", lambda built, _plan, _device: built)
+    monkeypatch.setattr(batch_limit, "probe_step", step)
     return limit, tried
 
 
-def _fit(resources: Resources, cache: StudyBatchCache, target: int, watch=planning.unwatched):
+def _fit(resources: Resources, cache: StudyBatchCache, target: int, watch=batch_limit.unwatched):
     params = Params("m", "none", target, 1e-4)
     training = resources.config.training
-    return planning.fit_batch(planning.base_plan(params, training), params, training, 2,
+    return batch_limit.fit_batch(planning.base_plan(params, training), params, training, 2,
                               resources, cache, watch)
 
 
@@ -136,10 +135,10 @@ def test_on_a_shared_device_the_search_ignores_the_cached_limit_and_caches_nothi
     resources = _resources(tmp_path)
     cache = StudyBatchCache(optuna.create_study())
     params = Params("m", "none", 16, 1e-4)
-    key = planning.cache_key(params, resources.config.training, 32, CPU)
+    key = batch_limit.cache_key(params, resources.config.training, 32, CPU)
     cache.update(key, BatchLimit(100, 200))
     training = resources.config.training
-    plan, _, probes = planning.fit_batch(planning.base_plan(params, training), params,
+    plan, _, probes = batch_limit.fit_batch(planning.base_plan(params, training), params,
                                          training, 2, resources, cache, shared=2**30)
     assert probes == len(tried) > 0 and plan.physical_batch == 4
     assert cache.get(key) == BatchLimit(100, 200)

@@ -9,8 +9,9 @@ import optuna
 from optuna.trial import TrialState
 
 from hpo.outcome import Outcome
-from hpo.training.memory import BatchLimit, DeviceMemory
+from hpo.training.memory import DeviceMemory
 from hpo.trial import records
+from hpo.trial.batch_limit import BatchLimit
 
 
 def _trial() -> tuple[optuna.Study, optuna.Trial]:

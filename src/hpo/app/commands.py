@@ -205,9 +205,10 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
 
     from hpo.app import final as final_module
     from hpo.app.console import ConsoleReporter
-    from hpo.search.study import shared_batch_cache, splits_recorded
+    from hpo.search.study import splits_recorded
     from hpo.space import PinnedSpace, declare
     from hpo.training import export
+    from hpo.trial.batch_limit import shared_batch_cache
     from hpo.trial.resources import load_resources
 
     config = prepared.config

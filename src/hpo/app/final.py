@@ -27,7 +27,6 @@ from hpo.data.splits import Splits
 from hpo.data.tasks import build_examples
 from hpo.errors import ConfigError, SpaceError
 from hpo.hardware import native_precisions, precision_name
-from hpo.search.study import StudyBatchCache
 from hpo.space import Params
 from hpo.training import adapters, memory, metrics
 from hpo.training.final_results import (
@@ -41,9 +40,10 @@ from hpo.training.final_results import (
     SymptomScore,
 )
 from hpo.training.models import ModelStore
-from hpo.training.train import Plan, as_epochs, predict
-from hpo.trial.drivers import fit, scorer
-from hpo.trial.planning import base_plan, fit_batch
+from hpo.training.train import Plan, Progress, as_epochs, predict
+from hpo.trial.batch_limit import StudyBatchCache, fit_batch
+from hpo.trial.drivers import FitJob, fit, scorer
+from hpo.trial.planning import base_plan
 from hpo.trial.resources import Resources
 
 SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate",
@@ -160,7 +160,7 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
     batch search where this kind of device has none). With --refit and the best epoch as the
     trial's value, training stops at that epoch: there is no validation split left to choose
     an epoch on. On a device other processes hold memory of, the batch is searched for what
-    is left, as a worker's is (`planning.fit_batch`), and the user is told."""
+    is left, as a worker's is (`batch_limit.fit_batch`), and the user is told."""
     training = found.training
     stop_after = None
     if refit and resources.config.study.objective_epoch == "best":
@@ -176,6 +176,26 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
     plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
                                 num_labels, resources, cache, shared=shared)
     return replace(plan, stop_after=stop_after), probes
+
+
+@dataclass(frozen=True)
+class _RunListener:
+    """A retraining run heard: said when built, each evaluation and step shown."""
+
+    reporter: ConsoleReporter
+    label: str
+    plan: Plan
+
+    def built(self, _base: torch.nn.Module, _model: torch.nn.Module, _seconds: float) -> None:
+        self.reporter.run_started(self.label, self.plan)
+
+    def evaluated(self, index: int, score: float) -> None:
+        plan = self.plan
+        self.reporter.epoch(self.label, as_epochs(index, plan.evaluations_per_epoch),
+                            plan.epochs, score)
+
+    def stepped(self, progress: Progress) -> None:
+        self.reporter.step(self.label, progress, self.plan.epochs)
 
 
 def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold: torch.Tensor,
@@ -195,15 +215,10 @@ def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold:
     # A store of its own: each seed's initial weights are needed once.
     # Every chosen evaluation's weights are copied (a floor of -inf): the run's model is
     # exported whatever it scores.
-    model, kept = fit(ModelStore(), found.params.model_name,
-                      found.training.model_copy(update={"seed": seed}), plan, resources,
-                      data.train, data.pad_id, evaluate, scores,
-                      snapshot=None if refit else -math.inf,
-                      on_evaluation=lambda index, score: reporter.epoch(
-                          label, as_epochs(index, plan.evaluations_per_epoch), plan.epochs,
-                          score),
-                      on_step=lambda p: reporter.step(label, p, plan.epochs),
-                      on_built=lambda *_: reporter.run_started(label, plan))
+    job = FitJob(ModelStore(), found.params.model_name,
+                 found.training.model_copy(update={"seed": seed}), plan, data.train,
+                 data.pad_id, evaluate, scores, snapshot=None if refit else -math.inf)
+    model, kept = fit(job, resources, _RunListener(reporter, label, plan))
     assert model is not None  # under a floor of -inf every chosen evaluation is copied
     kept_score = None if refit else scores[kept - 1].get(objective)
     # Adapters folded into the body, all in float32: the model as it is exported.

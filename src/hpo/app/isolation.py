@@ -136,9 +136,9 @@ def _child_main(payload: dict[str, Any], trial_id: int, params: Params, parent: 
                            grace_period=payload["grace_period"], start_seconds=OUTAGE_SECONDS)
     study = optuna.load_study(study_name=config.study.name, storage=storage,
                               pruner=make_pruner(config))
-    resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device)
-    if not config.data.cv_folds:
-        resources.keeper = artifacts.keeper_for(config, payload["url"])
+    keeper = None if config.data.cv_folds else artifacts.keeper_for(config, payload["url"])
+    resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device,
+                               keeper=keeper)
     # The trial's context again, in this process: its own connection, the parent's watch.
     context = claimed(study, storage, optuna.trial.Trial(study, trial_id), ConsoleReporter(),
                       attempt)

@@ -7,6 +7,7 @@ executor's to say; the loop only counts failures in a row. What it says is worde
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -70,9 +71,9 @@ def prepare_worker(config: StudyConfig, splits: Splits, device: Device, url: str
     pruning_note = config.pruning_note()
     if pruning_note:
         reporter.message(pruning_note)
-    resources = load_resources(config, pinned, device, splits)
-    if config.study.keep_best and not config.data.cv_folds:
-        resources.keeper = artifacts.keeper_for(config, url)
+    keeper = (artifacts.keeper_for(config, url)
+              if config.study.keep_best and not config.data.cv_folds else None)
+    resources = load_resources(config, pinned, device, splits, keeper)
     kept = console.kept_models_line(config, resources.keeper)
     if kept:
         reporter.message(kept)
@@ -117,8 +118,8 @@ def work(
         reporter.message(f"next: hpo final {next_command}")
         return
     with memory.long_lived_frozen():
-        pinned = decide(study, storage, resources, resources.pinned, reporter, run_check,
-                        verbose)
+        pinned = decide(study, storage, resources, reporter, run_check, verbose)
+        resources = dataclasses.replace(resources, pinned=pinned)
         objective = config.study.objective
         baseline = resources.baseline().get(objective)
         study.set_user_attr("baseline", {"name": console.BASELINE, objective: baseline})
@@ -142,11 +143,10 @@ def work(
 
 
 def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resources,
-           pinned: PinnedSpace, reporter: ConsoleReporter, run_check: bool,
-           verbose: bool) -> PinnedSpace:
+           reporter: ConsoleReporter, run_check: bool, verbose: bool) -> PinnedSpace:
     """The study's check (unless skipped or done) and, from its step times, the precisions
     `auto` searches; says what was decided. Returns the space the trials search."""
-    config = resources.config
+    config, pinned = resources.config, resources.pinned
     assert pinned.fp_precision is not None  # resolved on this device when it joined
     verdicts = (step_check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
                 else step_check.stored(study, resources.device))
@@ -160,7 +160,6 @@ def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resourc
         reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
                          f"not applied: the study decided its precisions with "
                          f"{stored_tolerance:g} (a new study decides again)")
-    resources.pinned = decided
     return decided
 
 

@@ -3,12 +3,10 @@ and the batch-size limits its workers share."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import cast
 
 import optuna
@@ -22,7 +20,6 @@ from hpo.search import budget, release
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.storage import retry_callback
 from hpo.space import PIN_ATTR, PinnedSpace, by_cost, pin
-from hpo.training.memory import BatchLimit
 
 
 def make_sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
@@ -299,43 +296,3 @@ def finished_count(study: optuna.Study) -> int:
     return budget.count(study).finished
 
 
-class StudyBatchCache:
-    """Batch limits kept as study user attributes, so every worker of the study sees them."""
-
-    PREFIX = "batch_limit:"
-
-    def __init__(self, study: optuna.Study,
-                 lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
-                 ) -> None:
-        self._study = study
-        self.lock = lock  # the study lock, which carry_over takes too
-
-    def get(self, key: str) -> BatchLimit:
-        stored = self._study.user_attrs.get(self.PREFIX + key)
-        return BatchLimit.from_json(stored) if stored else BatchLimit()
-
-    def update(self, key: str, limit: BatchLimit) -> BatchLimit:
-        """Merge what a trial learned into the study's limit; returns the merged limit the
-        trial goes by. An out-of-memory at one sample is that trial's alone: it says the
-        device was full at that moment (a GPU shared with another process), not that the key
-        never fits, and kept it would prune every later trial of the key for good. A
-        combination that cannot run one sample is the study's check to mark unusable."""
-        # Read, merged and written under the study lock: another worker may be learning
-        # something about the same key at the same moment.
-        with self.lock():
-            stored = self.get(key)
-            merged = stored.merge(limit)
-            kept = merged if merged.smallest_fail != 1 else stored.merge(
-                BatchLimit(limit.largest_ok))
-            if kept != stored:
-                self._study.set_user_attr(self.PREFIX + key, kept.to_json())
-        return merged
-
-    def lower(self, key: str, batch: int) -> BatchLimit:
-        return self.update(key, BatchLimit().after_oom(batch))
-
-
-def shared_batch_cache(study: optuna.Study, storage: ResilientRDBStorage) -> StudyBatchCache:
-    """The study's batch cache, updated under the study lock all its workers share."""
-    return StudyBatchCache(
-        study, functools.partial(budget.study_lock, storage.engine, study.study_name))

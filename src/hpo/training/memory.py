@@ -1,11 +1,6 @@
-"""Out-of-memory handling: recognise an OOM, release memory, and find the largest batch that
-fits.
-
-A search result is an interval per key (model, precision, max_length, device): the largest
-micro-batch known to fit and the smallest known to fail. Intervals from several workers merge
-by taking the tighter bounds, so concurrent writers cannot widen them; the study keeps them
-(`hpo.search.study.StudyBatchCache`).
-"""
+"""Out-of-memory handling and memory probes: recognise an OOM, run a step and say whether it
+fit, release memory, and read what a device holds (its allocator's peak, memory other
+processes hold, a trial's memory). The batch limit these serve is `hpo.trial.batch_limit`."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ import contextlib
 import ctypes
 import functools
 import gc
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,57 +98,12 @@ def fits(step: Callable[[int], None], batch: int) -> bool:
 
 
 @dataclass(frozen=True)
-class BatchLimit:
-    """What is known about one key: `largest_ok` fits (0: nothing known to fit yet);
-    `smallest_fail` ran out of memory (None: no failure seen)."""
-
-    largest_ok: int = 0
-    smallest_fail: int | None = None
-
-    def merge(self, other: BatchLimit) -> BatchLimit:
-        fails = [f for f in (self.smallest_fail, other.smallest_fail) if f is not None]
-        smallest_fail = min(fails) if fails else None
-        largest_ok = max(self.largest_ok, other.largest_ok)
-        if smallest_fail is not None:
-            largest_ok = min(largest_ok, smallest_fail - 1)
-        return BatchLimit(largest_ok, smallest_fail)
-
-    def after_oom(self, batch: int) -> BatchLimit:
-        """The limit once `batch` ran out of memory during training."""
-        return self.merge(BatchLimit(0, max(batch, 1)))
-
-    def to_json(self) -> dict[str, int | None]:
-        return {"largest_ok": self.largest_ok, "smallest_fail": self.smallest_fail}
-
-    @classmethod
-    def from_json(cls, data: dict[str, int | None]) -> BatchLimit:
-        return cls(int(data["largest_ok"] or 0), data.get("smallest_fail"))
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    limit: BatchLimit
-    probes: int
-
-
-@dataclass(frozen=True)
 class MemoryProbe:
     """How a device reports memory: `peak()` gives the peak bytes of the last probe step and
     `capacity` the bytes a step may use. Only a GPU can say; on a CPU the search bisects."""
 
     capacity: int
     peak: Callable[[], int]
-
-
-def search_bound(device: Device, target: int, max_physical: int) -> int:
-    """The largest batch a model's search probes. On a GPU, the physical limit: running out
-    of its memory is an exception the search catches, so a model and precision is searched
-    once and a later trial at a larger effective batch probes nothing. On a CPU, the trial's
-    own batch: the host's only out-of-memory signal is the OOM killer, and every probe above
-    what fits costs a trial (and, without `training.isolate_trials`, the worker)."""
-    if device.type == "cuda":
-        return max_physical
-    return min(target, max_physical)
 
 
 # What a worker holds on a CUDA device outside its allocator's reserve (its context and the
@@ -282,93 +231,3 @@ def after_trial(device: Device, mark: DeviceMemory | None) -> DeviceMemory | Non
                         torch.cuda.memory_allocated(index) / 2**20)
 
 
-# Model-chosen probes before the search falls back to plain bisection: memory that does not
-# grow linearly with the batch must not turn the search into a crawl.
-_MODEL_PROBES = 3
-
-
-def search(
-    step: Callable[[int], None],
-    bound: int,
-    known: BatchLimit,
-    memory: MemoryProbe | None = None,
-) -> SearchResult:
-    """Binary search for the largest batch in [1, bound] that `step` survives.
-
-    The bound itself is probed first, since it usually fits; then the open interval between
-    what is known to fit and to fail is bisected: at most 1 + ceil(log2(bound)) probes, none
-    when `known` already answers. A result with largest_ok == 0 means even one sample fails.
-
-    With a `memory` probe the search fits peak memory = a + b * batch on two cheap probes and
-    asks the line where the limit is, then checks the batch above its answer: about five
-    probes wherever the limit lies, instead of nine.
-    """
-    limit = known
-    probes = 0
-    if _resolved(limit, bound):
-        return SearchResult(limit, 0)
-    top = bound if limit.smallest_fail is None else min(bound, limit.smallest_fail - 1)
-    probes += 1
-    if fits(step, top):
-        return SearchResult(limit.merge(BatchLimit(top, None)), probes)
-    low, high = limit.largest_ok, top
-    seen: list[tuple[int, int]] = []
-    model_probes = 0 if memory is not None else _MODEL_PROBES
-    while high - low > 1:
-        mid = (low + high) // 2
-        guided = model_probes < _MODEL_PROBES
-        if guided:
-            assert memory is not None  # without a probe model_probes starts at the limit
-            guess = low + 1 if len(seen) < 2 else _predict(seen, memory.capacity)
-            if guess is None:
-                guided, model_probes = False, _MODEL_PROBES
-            else:
-                mid = min(max(guess, low + 1), high - 1)
-                model_probes += len(seen) >= 2
-        probes += 1
-        if fits(step, mid):
-            low = mid
-            if memory is not None:
-                seen.append((mid, memory.peak()))
-        else:
-            high = mid
-            if guided and len(seen) >= 2:
-                model_probes = _MODEL_PROBES  # the line overestimated: bisect from here
-    return SearchResult(limit.merge(BatchLimit(low, high)), probes)
-
-
-def _predict(seen: list[tuple[int, int]], capacity: int) -> int | None:
-    """The largest batch whose peak memory the least-squares line keeps within capacity."""
-    n = len(seen)
-    mean_x = sum(x for x, _ in seen) / n
-    mean_y = sum(y for _, y in seen) / n
-    spread = sum((x - mean_x) ** 2 for x, _ in seen)
-    if spread == 0:
-        return None
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in seen) / spread
-    if slope <= 0:
-        return None
-    return math.floor((capacity - (mean_y - slope * mean_x)) / slope)
-
-
-def _resolved(limit: BatchLimit, bound: int) -> bool:
-    if limit.largest_ok >= bound:
-        return True
-    return limit.smallest_fail is not None and limit.smallest_fail <= limit.largest_ok + 1
-
-
-def physical_batch(limit: BatchLimit, bound: int, safety_margin: float) -> int:
-    """The micro-batch to train with. The margin applies only when a real memory limit was
-    found below the bound: a batch that never met one has nothing to keep a distance from."""
-    if limit.smallest_fail is not None and limit.smallest_fail <= bound:
-        return max(1, min(bound, math.floor(safety_margin * limit.largest_ok)))
-    return max(1, min(bound, limit.largest_ok))
-
-
-def eval_batch(limit: BatchLimit, physical: int, bound: int) -> int:
-    """Evaluation keeps no activations for backward and no optimizer state, so it can run
-    larger micro-batches: the largest batch a full training step survived, or twice the
-    training batch when no limit has been met."""
-    if limit.smallest_fail is not None and limit.smallest_fail <= bound:
-        return max(physical, limit.largest_ok)
-    return 2 * physical

@@ -13,20 +13,11 @@ import optuna
 
 from hpo.search.liveness import LiveTrial, Lock, write_carried
 from hpo.search.resilience import ResilientRDBStorage
-from hpo.search.study import StudyBatchCache, shared_batch_cache
 from hpo.space import Params
 from hpo.training.train import Plan, Progress
+from hpo.trial.batch_limit import StudyBatchCache, Watch, shared_batch_cache, unwatched
 
 T = TypeVar("T")
-
-# Called with the batch cache key and the micro-batch before each step that may run out of
-# memory (each probe, then training): a process killed by the OOM killer cannot say it itself.
-Watch = Callable[[str, int], None]
-
-
-def unwatched(_key: str, _batch: int) -> None:
-    return None
-
 
 class TrialReporter(Protocol):
     """What a trial says while it runs."""

@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import optuna
 import torch
@@ -96,107 +97,172 @@ class BestEpoch:
         return chosen
 
 
-def fit(models: ModelStore, model_name: str, training: TrainingConfig, plan: Plan,
-        resources: Resources, data: Encoded, pad_id: int,
-        evaluate: Callable[[torch.nn.Module], float], scores: list[metrics.Scores], *,
-        snapshot: float | None, on_evaluation: Callable[[int, float], None],
-        on_step: Callable[[Progress], None],
-        on_built: Callable[[torch.nn.Module, torch.nn.Module, float], None] | None = None,
+@dataclass(frozen=True)
+class FitJob:
+    """What `fit` trains: a fresh `model_name` from `models`, with its settings and plan, on
+    `data`; `evaluate` scores a model at each evaluation and appends its scores to `scores`.
+    With a `snapshot` floor the model ends on the weights of the evaluation the study's rule
+    chooses (`BestEpoch`), else on the last."""
+
+    models: ModelStore
+    model_name: str
+    training: TrainingConfig
+    plan: Plan
+    data: Encoded
+    pad_id: int
+    evaluate: Callable[[torch.nn.Module], float]
+    scores: list[metrics.Scores]
+    snapshot: float | None = None
+
+
+class Listener(Protocol):
+    """What hears a fit as it goes: the model built (and the one prepared for the device, and
+    the seconds both took), each evaluation's score, each step's progress."""
+
+    def built(self, base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None: ...
+    def evaluated(self, index: int, score: float) -> None: ...
+    def stepped(self, progress: Progress) -> None: ...
+
+
+def fit(job: FitJob, resources: Resources, listener: Listener
         ) -> tuple[torch.nn.Module | None, int]:
-    """Train a fresh `model_name` from `models` on `data`, calling `evaluate` (which appends
-    to `scores`) at each evaluation (each epoch's end, more under evaluations_per_epoch).
-    `on_built` hears the built model, the one prepared for the device (compiled, perhaps)
-    and the seconds both took. Returns the built model and the evaluation (1-based) whose
-    weights it holds: with a `snapshot` floor, the one the study's rule (`study.objective_
-    epoch`) chooses by `scores` (the model None where that one's score did not beat the
-    floor: `BestEpoch`), else (None) the last."""
+    """Train `job`, telling `listener`. Returns the built model and the evaluation (1-based)
+    whose weights it holds: with a `snapshot` floor, the one the study's rule (`study.
+    objective_epoch`) chooses by the scores (the model None where that one's score did not
+    beat the floor: `BestEpoch`), else (None) the last."""
+    plan, study = job.plan, resources.config.study
     began = time.perf_counter()
-    base = adapters.build(models, model_name, data.labels.shape[1], training, plan.precision)
+    base = adapters.build(job.models, job.model_name, job.data.labels.shape[1], job.training,
+                          plan.precision)
     model = prepare(base, plan, resources.device)
-    if on_built is not None:
-        on_built(base, model, time.perf_counter() - began)
-    objective = resources.config.study.objective
-    best = (BestEpoch(base, resources.config.study.objective_epoch, plan.evaluations,
-                      snapshot) if snapshot is not None else None)
+    listener.built(base, model, time.perf_counter() - began)
+    best = (BestEpoch(base, study.objective_epoch, plan.evaluations, job.snapshot)
+            if job.snapshot is not None else None)
 
     def evaluated(index: int, score: float) -> None:
         if best is not None:
-            best.after_evaluation(index, [s.get(objective) for s in scores])
-        on_evaluation(index, score)
+            best.after_evaluation(index, [s.get(study.objective) for s in job.scores])
+        listener.evaluated(index, score)
 
-    train(model, data, plan, resources.device, pad_id=pad_id, evaluate=evaluate,
-          on_evaluation=evaluated, on_step=on_step,
-          pos_weight=loss_pos_weight(training.pos_weight, data.labels))
+    train(model, job.data, plan, resources.device, pad_id=job.pad_id, evaluate=job.evaluate,
+          on_evaluation=evaluated, on_step=listener.stepped,
+          pos_weight=loss_pos_weight(job.training.pos_weight, job.data.labels))
     del model
     if best is None:
         return base, plan.evaluations
-    values = [s.get(objective) for s in scores]
+    values = [s.get(study.objective) for s in job.scores]
     held = best.restore(values)
     if held is None:
-        return None, metrics.chosen_epoch(values, resources.config.study.objective_epoch) + 1
+        return None, metrics.chosen_epoch(values, study.objective_epoch) + 1
     return base, held + 1
+
+
+@dataclass
+class _TrialListener:
+    """A single-model trial's fit heard: each epoch reported to the pruner (the study's rule
+    applied to the epochs so far, so it compares what the trial's value would be) and shown,
+    the model's records written once it is built, the last progress kept for the records."""
+
+    context: TrialContext
+    plan: Plan
+    device_type: str
+    scores: list[metrics.Scores]
+    objective: str
+    rule: str
+    prepared: torch.nn.Module | None = None  # for the compiler's failure, once built
+    progress: Progress | None = None
+    warned: str | None = None
+
+    def value(self) -> float:
+        values = [s.get(self.objective) for s in self.scores]
+        return values[metrics.chosen_epoch(values, self.rule)]
+
+    def built(self, base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
+        # Recorded first: a trial reaped while it was built fails here, before any record of
+        # its progress would carry it over to a retry copy it then leaves unfinished.
+        records.record_model(self.context.trial, base, self.device_type, seconds)
+        self.prepared = model
+        self.warned = records.warn_eager(self.context.trial.number, model,
+                                         self.context.reporter, None)
+
+    def evaluated(self, index: int, score: float) -> None:
+        context, plan = self.context, self.plan
+        epoch = as_epochs(index, plan.evaluations_per_epoch)
+        context.reporter.epoch(context.trial.number, epoch, plan.epochs, score)
+        value = self.value()
+        context.write(lambda trial: trial.report(value, index))
+        # After the last evaluation the compute is spent: the result is kept, not pruned.
+        if index < plan.evaluations and context.trial.should_prune():
+            raise optuna.TrialPruned(f"pruned at epoch {epoch}")
+
+    def stepped(self, progress: Progress) -> None:
+        self.progress = progress
+        self.context.reporter.step(self.context.trial.number, progress, self.plan.epochs)
+
+    def finished(self) -> None:
+        """The records of the training's end, once the model was built: also after a
+        pruning or a failure."""
+        if self.prepared is None:
+            return
+        prepared, progress, scores = self.prepared, self.progress, self.scores
+        records.warn_eager(self.context.trial.number, prepared, self.context.reporter,
+                           self.warned)
+        self.context.write(lambda trial: records.record_progress(
+            trial, progress, scores, self.objective, self.rule, prepared,
+            per_epoch=self.plan.evaluations_per_epoch))
 
 
 def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
     """Train the planned trial, reporting each epoch's value for pruning; its value is the
-    best or the last epoch's score (`study.objective_epoch`). The pruner sees the same rule
-    applied to the epochs so far, so it compares what the trial's value would be. Where the
-    study keeps its best models, the model returned holds the value epoch's weights."""
-    plan, reporter = planned.plan, context.reporter
-    objective = resources.config.study.objective
-    rule = resources.config.study.objective_epoch
+    best or the last epoch's score (`study.objective_epoch`). Where the study keeps its best
+    models, the model returned holds the value epoch's weights."""
+    plan, study = planned.plan, resources.config.study
     scores: list[metrics.Scores] = []
     # Read once: the bar only rises as other trials finish, so a stale one copies more
     # weights than needed, never fewer.
     floor = (artifacts.floor(context.study, resources.keeper.best)
              if resources.keeper is not None else None)
-    evaluate = scorer(resources, plan, planned.validation_data, resources.gold(),
-                      planned.pad_id, scores)
-    prepared: list[torch.nn.Module] = []  # for the compiler's failure, once built
-    progress: Progress | None = None
-    warned: str | None = None
-
-    def value() -> float:
-        values = [s.get(objective) for s in scores]
-        return values[metrics.chosen_epoch(values, rule)]
-
-    def on_built(base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
-        nonlocal warned
-        # Recorded first: a trial reaped while it was built fails here, before any record of
-        # its progress would carry it over to a retry copy it then leaves unfinished.
-        records.record_model(context.trial, base, resources.device.type, seconds)
-        prepared.append(model)
-        warned = records.warn_eager(context.trial.number, model, reporter, None)
-
-    def on_evaluation(index: int, score: float) -> None:
-        epoch = as_epochs(index, plan.evaluations_per_epoch)
-        reporter.epoch(context.trial.number, epoch, plan.epochs, score)
-        context.write(lambda trial: trial.report(value(), index))
-        # After the last evaluation the compute is spent: the result is kept, not pruned.
-        if index < plan.evaluations and context.trial.should_prune():
-            raise optuna.TrialPruned(f"pruned at epoch {epoch}")
-
-    def on_step(latest: Progress) -> None:
-        nonlocal progress
-        progress = latest
-        reporter.step(context.trial.number, latest, plan.epochs)
-
+    job = FitJob(resources.models, planned.params.model_name, planned.training, plan,
+                 planned.train_data, planned.pad_id,
+                 scorer(resources, plan, planned.validation_data, resources.gold(),
+                        planned.pad_id, scores), scores, snapshot=floor)
+    heard = _TrialListener(context, plan, resources.device.type, scores, study.objective,
+                           study.objective_epoch)
     try:
-        model, epoch = fit(resources.models, planned.params.model_name, planned.training,
-                           plan, resources, planned.train_data, planned.pad_id, evaluate,
-                           scores, snapshot=floor,
-                           on_evaluation=on_evaluation, on_step=on_step, on_built=on_built)
+        model, epoch = fit(job, resources, heard)
     finally:
-        if prepared:
-            records.warn_eager(context.trial.number, prepared[0], reporter, warned)
-            context.write(lambda trial: records.record_progress(
-                trial, progress, scores, objective, rule, prepared[0],
-                per_epoch=plan.evaluations_per_epoch))
-    return Trained(value(), model, as_epochs(epoch, plan.evaluations_per_epoch))
+        heard.finished()
+    return Trained(heard.value(), model, as_epochs(epoch, plan.evaluations_per_epoch))
 
 
 def _report(trial: optuna.Trial, value: float, step: int) -> None:
     trial.report(value, step)
+
+
+@dataclass
+class _FoldsListener:
+    """A cross-validated trial's folds heard: each fold's epochs and steps shown, the first
+    fold's model recorded (every fold builds the same), each fold's prepared model held until
+    the fold ends, the last progress kept for the records."""
+
+    context: TrialContext
+    plan: Plan
+    device_type: str
+    fold: int = 0
+    prepared: torch.nn.Module | None = None
+    progress: Progress | None = None
+
+    def built(self, base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
+        if self.fold == 1:
+            records.record_model(self.context.trial, base, self.device_type, seconds)
+        self.prepared = model
+
+    def evaluated(self, index: int, score: float) -> None:
+        self.context.reporter.epoch(self.context.trial.number, index, self.plan.epochs, score)
+
+    def stepped(self, progress: Progress) -> None:
+        self.progress = progress
+        self.context.reporter.step(self.context.trial.number, progress, self.plan.epochs)
 
 
 def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
@@ -205,44 +271,29 @@ def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resourc
     epoch's (`study.objective_epoch`). The mean so far is reported after each fold, so the
     pruner can stop a poor configuration after its first folds. No model is returned: none
     of the folds' is the trial's."""
-    plan, device, reporter = planned.plan, resources.device, context.reporter
+    plan, reporter = planned.plan, context.reporter
     objective = resources.config.study.objective
     rule = resources.config.study.objective_epoch
     k = resources.config.data.cv_folds
     assert k is not None  # the executor runs this driver only with folds
     fold_scores: list[float] = []
     fold_epochs: list[int] = []
-    progress: Progress | None = None
     seconds = 0.0
     compile_failure: str | None = None
-
-    def on_step(latest: Progress) -> None:
-        nonlocal progress
-        progress = latest
-        reporter.step(context.trial.number, latest, plan.epochs)
-
+    heard = _FoldsListener(context, plan, resources.device.type)
     try:
         for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
             scores: list[metrics.Scores] = []
-            built: list[torch.nn.Module] = []
-
-            def on_built(base: torch.nn.Module, model: torch.nn.Module, took: float,
-                         first: bool = index == 1, built: list = built) -> None:
-                if first:  # the first fold's, as every fold builds the same model
-                    records.record_model(context.trial, base, device.type, took)
-                built.append(model)
-
-            fit(resources.models, planned.params.model_name, planned.training, plan, resources,
-                fold.train, planned.pad_id,
-                scorer(resources, plan, fold.validation, fold.gold, planned.pad_id, scores),
-                scores, snapshot=None,
-                on_evaluation=lambda epoch, score: reporter.epoch(context.trial.number, epoch,
-                                                                  plan.epochs, score),
-                on_step=on_step, on_built=on_built)
+            heard.fold = index
+            fit(FitJob(resources.models, planned.params.model_name, planned.training, plan,
+                       fold.train, planned.pad_id,
+                       scorer(resources, plan, fold.validation, fold.gold, planned.pad_id,
+                              scores), scores), resources, heard)
+            assert heard.prepared is not None  # fit tells the listener what it built
             compile_failure = compile_failure or records.warn_eager(
-                context.trial.number, built[0], reporter, compile_failure)
-            seconds += progress.train_seconds if progress is not None else 0.0
-            built.clear()  # the fold's model, let go before the next is built
+                context.trial.number, heard.prepared, reporter, compile_failure)
+            seconds += heard.progress.train_seconds if heard.progress is not None else 0.0
+            heard.prepared = None  # the fold's model, let go before the next is built
             memory.release_memory()
             values = [s.get(objective) for s in scores]
             fold_epochs.append(metrics.chosen_epoch(values, rule) + 1)
@@ -255,6 +306,7 @@ def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resourc
             if index < k and context.trial.should_prune():
                 raise optuna.TrialPruned(f"pruned after fold {index}")
     finally:
+        progress = heard.progress
         context.write(lambda trial: records.record_folds(
             trial, fold_scores, fold_epochs, seconds, progress, compile_failure, plan.compile))
     return Trained(sum(fold_scores) / len(fold_scores))

@@ -19,12 +19,11 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import faults
 from hpo.errors import Terminated, one_line, process_end
-from hpo.hardware import Device
 from hpo.outcome import INTERRUPTED, ChildDied, GivenBack, Outcome, Reaped
 from hpo.space import Params, suggest
 from hpo.training import memory
 from hpo.training.train import NonFiniteLoss
-from hpo.trial import records, step_check
+from hpo.trial import batch_limit, records, step_check
 from hpo.trial.context import TrialContext
 from hpo.trial.drivers import Trained, train_folds, train_trial
 from hpo.trial.planning import PlannedTrial, plan_trial
@@ -116,21 +115,10 @@ def execute(context: TrialContext, resources: Resources, params: Params | None =
     device_memory = memory.after_trial(resources.device, device_memory)
     if outcome.dropped:
         return outcome, _stored(context)
-    return tell(context, outcome, tried=tried_alone(outcome, planned, resources.device),
-                failed_at=failed_at, started=started, device_memory=device_memory)
-
-
-def tried_alone(outcome: Outcome, planned: PlannedTrial | None, device: Device
-                ) -> tuple[str, int] | None:
-    """The cache key and micro-batch an OOM lowers the study's limit for. An OOM on a device
-    other processes held memory of, when the batch was fitted or now, says nothing of what
-    fits the device alone: then none. None for any other end, without asking the device
-    (after a device-side assert, CUDA answers nothing)."""
-    if outcome.prune_reason != "oom" or planned is None or planned.shared_bytes:
-        return None
-    if memory.foreign_bytes(device):
-        return None
-    return planned.batch_key, planned.plan.physical_batch
+    tried = batch_limit.tried_alone(outcome, None if planned is None else planned.fitted,
+                                    resources.device)
+    return tell(context, outcome, tried=tried, failed_at=failed_at, started=started,
+                device_memory=device_memory)
 
 
 def _stored(context: TrialContext) -> FrozenTrial:

@@ -4,23 +4,18 @@ them: accumulation steps, evaluation batch, precision."""
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import dataclass
 
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.hardware import Device
-from hpo.search.study import StudyBatchCache
 from hpo.space import Params
-from hpo.training import adapters, memory
-from hpo.training.models import config_of
-from hpo.training.train import Plan, prepare, probe_step
+from hpo.training import memory
+from hpo.training.train import Plan
 from hpo.trial import step_check
-from hpo.trial.context import TrialContext, Watch, unwatched
+from hpo.trial.batch_limit import Fitted, fit_batch
+from hpo.trial.context import TrialContext
 from hpo.trial.resources import Resources
 
 
@@ -44,10 +39,9 @@ class PlannedTrial:
     # foreign_bytes`): its limit was kept out of the study's cache, and an OOM lowers nothing.
     shared_bytes: int = 0
 
-
-def cache_key(params: Params, training: TrainingConfig, max_length: int, device: Device) -> str:
-    return (f"{params.model_name}|{params.fp_precision}|{max_length}|{device.cache_key}"
-            f"{adapters.cache_suffix(training, params.fp_precision)}")
+    @property
+    def fitted(self) -> Fitted:
+        return Fitted(self.batch_key, self.plan.physical_batch, self.shared_bytes)
 
 
 def plan_trial(context: TrialContext, params: Params, resources: Resources) -> PlannedTrial:
@@ -104,55 +98,3 @@ def base_plan(params: Params, training: TrainingConfig) -> Plan:
     )
 
 
-def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: int,
-              resources: Resources, cache: StudyBatchCache, watch: Watch = unwatched,
-              *, shared: int = 0) -> tuple[Plan, str, int]:
-    """`base` with the physical and evaluation batches that fit this device: the study's
-    cached limit for the model and precision, searched (probes > 0) where there is none.
-    On a device other processes hold `shared` bytes of, what fits changes with what they
-    hold: the search starts from what is known to fail, sizes for what is left, and its
-    result stays with this trial. Returns the plan, the cache key and the number of probes."""
-    config, device = resources.config, resources.device
-    tokenizer = resources.models.tokenizer(params.model_name)
-    key = cache_key(params, training, config.data.max_length, device)
-    bound = min(params.target_effective_batch_size, training.max_physical_batch_size)
-    build = functools.partial(adapters.build, resources.models, params.model_name, num_labels,
-                              training, params.fp_precision)
-    probe_length = min(config.data.max_length, tokenizer.model_max_length)
-    # A GPU others use is searched no further than the trial needs: its result stays with
-    # the trial, and a probe of the whole bound could take the memory a neighbour is using.
-    searched_to = bound if shared else memory.search_bound(
-        device, params.target_effective_batch_size, training.max_physical_batch_size)
-    limit, probes = _find_batch(build, base, device, key, searched_to, cache, probe_length,
-                                watch, shared)
-    physical = memory.physical_batch(limit, bound, training.safety_margin)
-    plan = replace(
-        base, physical_batch=physical, eval_batch=memory.eval_batch(limit, physical, bound)
-    )
-    return plan, key, probes
-
-
-def _find_batch(
-    build: Callable[[], torch.nn.Module], plan: Plan, device: Device, key: str, bound: int,
-    cache: StudyBatchCache, length: int, watch: Watch, shared: int = 0,
-) -> tuple[memory.BatchLimit, int]:
-    known = cache.get(key)
-    if shared:
-        known = memory.BatchLimit(0, known.smallest_fail)
-    holder: dict[str, torch.nn.Module] = {}
-
-    def step(batch: int) -> None:
-        watch(key, batch)
-        if "model" not in holder:
-            holder["model"] = prepare(build(), plan, device)
-        model = holder["model"]
-        model.zero_grad(set_to_none=True)
-        probe_step(model, plan, device, batch, length, config_of(model).vocab_size)
-
-    result = memory.search(step, bound, known, memory.device_memory_probe(device, shared))
-    holder.clear()
-    memory.release_memory()
-    limit = cache.update(key, result.limit) if result.probes and not shared else result.limit
-    if limit.largest_ok == 0:
-        raise torch.OutOfMemoryError(f"out of memory even at micro-batch 1 ({key})")
-    return limit, result.probes

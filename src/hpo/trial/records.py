@@ -21,9 +21,10 @@ from hpo.outcome import Outcome
 from hpo.search import artifacts, liveness
 from hpo.search.resilience import batched_user_attrs
 from hpo.training import adapters, export, metrics
-from hpo.training.memory import BatchLimit, DeviceMemory
+from hpo.training.memory import DeviceMemory
 from hpo.training.models import config_of
 from hpo.training.train import CompiledOrEager, Progress, as_epochs
+from hpo.trial.batch_limit import BatchLimit
 from hpo.trial.context import TrialContext
 from hpo.trial.planning import PlannedTrial
 from hpo.trial.resources import Resources

@@ -32,9 +32,11 @@ class Fold:
     gold: torch.Tensor  # the validation posts' labels as a post x label grid
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resources:
-    """The study's settings and device, and the caches of data, tokens and models."""
+    """The study's settings and device, and the caches of data, tokens and models. Frozen once
+    built: a worker that decides its precisions after the study's check goes on with a copy
+    (`dataclasses.replace`), which shares the caches."""
 
     config: StudyConfig
     pinned: PinnedSpace
@@ -113,9 +115,11 @@ class Resources:
 
 
 def load_resources(
-    config: StudyConfig, pinned: PinnedSpace, device: Device, splits: Splits | None = None
+    config: StudyConfig, pinned: PinnedSpace, device: Device, splits: Splits | None = None,
+    keeper: Keeper | None = None,
 ) -> Resources:
-    """The resources for this study's data, reading and splitting it unless `splits` is given."""
+    """The resources for this study's data, reading and splitting it unless `splits` is given;
+    `keeper` keeps the best trials' models, if anything does."""
     data = config.data
     if splits is None:
         posts = read_redsm5(data.dir, special_case=data.special_case)
@@ -130,4 +134,5 @@ def load_resources(
             splits.validation, data.task, special_case=data.special_case
         ),
         label_names=label_names(data.special_case),
+        keeper=keeper,
     )

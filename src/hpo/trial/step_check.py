@@ -359,7 +359,7 @@ def ensure(study: optuna.Study, resources: Resources, precisions: tuple[str, ...
 def kept_for_study(checked: list[Verdict], device: Device, report: Messenger) -> list[Verdict]:
     """The verdicts every worker on this kind of device may trust. A step that ran out of
     memory while other processes held part of the device says nothing of the device alone
-    (the batch cache's rule, `planning.fit_batch`): the study keeps no verdict on it, this
+    (the batch cache's rule, `batch_limit.fit_batch`): the study keeps no verdict on it, this
     worker's trials of it go on to a batch search for what is left, and the next worker to
     start checks it again."""
     left = [v for v in checked if v.shared_oom]

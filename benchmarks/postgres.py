@@ -1,5 +1,7 @@
-"""PostgreSQL helpers for tests: throwaway databases on the shared server at 127.0.0.1:5432,
-and a private, disposable PostgreSQL instance for tests that take the database down."""
+"""PostgreSQL helpers for the tests and the soak (benchmarks/soak.py): throwaway databases on
+the shared server at 127.0.0.1:5432, and a private, disposable PostgreSQL instance for what
+takes the database down. Here, beside the soak, so that a benchmark imports nothing from
+tests/; the tests find it through pytest's `pythonpath`."""
 
 from __future__ import annotations
 
