@@ -248,8 +248,10 @@ def test_preparing_a_model_for_a_cuda_device_installs_nothing_cpu_specific(tiny_
         [sys.executable, "-c", PREPARE_FOR_CUDA, str(tiny_model)],
         capture_output=True, text=True, timeout=300,
         env={**{k: v for k, v in os.environ.items() if not k.startswith("HPO_FAULT_")},
-             # conftest (tests/) and this module, as the script imports them
+             # conftest (tests/, with benchmarks/ for its postgres helpers) and this module,
+             # as the script imports them
              "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
+                                            str(Path(__file__).parents[2] / "benchmarks"),
                                             str(Path(__file__).parent),
                                             os.environ.get("PYTHONPATH", "")])},
     )
