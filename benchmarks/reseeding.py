@@ -10,21 +10,15 @@ the table gives the mean best value and its standard error.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import statistics
 import warnings
 
 import optuna
 
-from hpo.search.study import PerTrialSeeded
+from hpo.search.study import PerTrialSeeded, trial_seed
 
 STARTUP = 10
-
-
-def _hashed(seed: int, number: int) -> int:
-    # As `hpo.search.study`: the first four bytes of sha256("seed:number").
-    return int.from_bytes(hashlib.sha256(f"{seed}:{number}".encode()).digest()[:4], "little")
 
 
 def objective(trial: optuna.Trial) -> float:
@@ -36,7 +30,7 @@ def objective(trial: optuna.Trial) -> float:
 def sampler(kind: str, seed: int) -> optuna.samplers.BaseSampler:
     if kind == "once":
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=STARTUP)
-    return PerTrialSeeded(lambda n: optuna.samplers.TPESampler(seed=_hashed(seed, n),
+    return PerTrialSeeded(lambda n: optuna.samplers.TPESampler(seed=trial_seed(seed, n),
                                                                n_startup_trials=STARTUP))
 
 

@@ -1,5 +1,5 @@
-"""A study in its storage: created or joined with its sampler, pruner and pinned search space,
-and the batch-size limits its workers share."""
+"""A study in its storage: created or joined with its sampler, pruner and pinned search space
+(the batch-size limits its workers share are `hpo.trial.batch_limit`'s)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,15 @@ def make_sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
     return PerTrialSeeded(functools.partial(_seeded_sampler, config, seed))
 
 
+def trial_seed(seed: int, trial_number: int) -> int:
+    """The seed of trial `trial_number`'s sampler in a study seeded with `seed`."""
+    digest = hashlib.sha256(f"{seed}:{trial_number}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
 def _seeded_sampler(config: StudyConfig, seed: int, trial_number: int
                     ) -> optuna.samplers.BaseSampler:
-    digest = hashlib.sha256(f"{seed}:{trial_number}".encode()).digest()
-    return _sampler(config, int.from_bytes(digest[:4], "little"))
+    return _sampler(config, trial_seed(seed, trial_number))
 
 
 def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampler:
@@ -99,7 +104,11 @@ class PerTrialSeeded(optuna.samplers.BaseSampler):
         self, study: optuna.Study, trial: optuna.trial.FrozenTrial,
         state: TrialState, values: Sequence[float] | None,
     ) -> None:
-        self._for(trial).after_trial(study, trial, state, values)
+        # A trial told while another is being sampled (many trials in one process) gets a
+        # sampler of its own, leaving the one the sampled trial draws from as it is.
+        inner = self._inner if trial.number == self._number else self._make(trial.number)
+        if inner is not None:
+            inner.after_trial(study, trial, state, values)
 
     def reseed_rng(self) -> None:
         # Optuna reseeds a study's sampler for `optimize(n_jobs>1)`; a trial's draws here
