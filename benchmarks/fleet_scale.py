@@ -112,7 +112,7 @@ def fleet_worker(url: str, trials: int, reports, go, release) -> None:
     import optuna
     from optuna.trial import TrialState
 
-    from hpo.app.worker import run_worker
+    from hpo.app.worker import Limits, run_worker
     from hpo.errors import one_line
     from hpo.outcome import Outcome
     from hpo.search.storage import open_storage
@@ -134,8 +134,8 @@ def fleet_worker(url: str, trials: int, reports, go, release) -> None:
                                                                              value)
 
     try:
-        result = run_worker(study, storage, run_trial, _Quiet(), n_trials=trials,
-                            poll_seconds=0.2)
+        result = run_worker(study, storage, run_trial, _Quiet(),
+                            Limits(trials, poll_seconds=0.2))
         reports.put(("done", result.ran))
     except Exception as exc:
         reports.put(("error", one_line(exc)))
@@ -253,7 +253,7 @@ def claims(sizes: list[int], per_size: int = 50) -> None:
     from optuna.distributions import FloatDistribution
     from optuna.trial import TrialState, create_trial
 
-    from hpo.app.worker import run_worker
+    from hpo.app.worker import Limits, run_worker
     from hpo.outcome import Outcome
     from hpo.search.storage import open_storage
 
@@ -284,8 +284,8 @@ def claims(sizes: list[int], per_size: int = 50) -> None:
                 return Outcome(TrialState.COMPLETE, value=value), frozen
 
             total = len(study.get_trials(deepcopy=False))
-            run_worker(study, storage, run_trial, _Quiet(), n_trials=total + per_size + 1,
-                       poll_seconds=0.2)
+            run_worker(study, storage, run_trial, _Quiet(),
+                       Limits(total + per_size + 1, poll_seconds=0.2))
             between = [b[0] - a[2] for a, b in zip(marks, marks[1:], strict=False)]
             tells = [end - before for _, before, end in marks[1:]]
             rows.append((total, 1000 * statistics.median(between),

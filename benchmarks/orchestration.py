@@ -45,7 +45,7 @@ def plain_worker(url: str, trials: int, start) -> None:
 
 
 def hpo_worker(url: str, trials: int, start) -> None:
-    from hpo.app.worker import run_worker
+    from hpo.app.worker import Limits, run_worker
     from hpo.outcome import Outcome
     from hpo.search.storage import open_storage
 
@@ -64,7 +64,7 @@ def hpo_worker(url: str, trials: int, start) -> None:
         def trial_finished(self, trial, outcome) -> None: ...
 
     start.wait()
-    run_worker(study, storage, run_trial, Quiet(), n_trials=trials, poll_seconds=0.2)
+    run_worker(study, storage, run_trial, Quiet(), Limits(trials, poll_seconds=0.2))
 
 
 def fresh_database() -> str:

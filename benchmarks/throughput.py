@@ -59,7 +59,7 @@ from hpo.hardware import Device, configure_backends, detect, native_precisions
 from hpo.training.memory import long_lived_frozen
 from hpo.training.metrics import f1_scores
 from hpo.training.models import ModelStore, quiet_transformers
-from hpo.training.train import Plan, balanced_pos_weight, predict, prepare, train
+from hpo.training.train import Hooks, Plan, balanced_pos_weight, predict, prepare, train
 
 REPO = Path(__file__).resolve().parents[1]
 MEAN_WORDS, MAX_WORDS, SIGMA = 295, 6990, 1.0
@@ -170,12 +170,11 @@ def run_ours(b: Bench, run: str) -> Result:
                 physical_batch=b.args.batch, eval_batch=EVAL_BATCH,
                 learning_rate=b.args.learning_rate,
                 weight_decay=WEIGHT_DECAY, warmup_ratio=WARMUP, max_grad_norm=MAX_GRAD_NORM,
-                epochs=b.args.epochs, seed=b.args.training_seed)
+                epochs=b.args.epochs, seed=b.args.training_seed, pos_weight=b.args.pos_weight)
     model = prepare(b.store.build(b.args.model, len(SYMPTOMS), seed=0), plan, b.device)
     started = time.perf_counter()
     progress = train(model, b.train_data, plan, b.device, pad_id=b.tokenizer.pad_token_id or 0,
-                     evaluate=lambda _: 0.0, on_evaluation=lambda _e, _s: None,
-                     pos_weight=b.pos_weight)
+                     hooks=Hooks(lambda _: 0.0))
     seconds = time.perf_counter() - started
     return b.score(run, model, progress.samples, seconds, progress.padding_efficiency,
                    progress.padded_tokens)

@@ -298,7 +298,7 @@ def run_in_process(study_file: Path, storage: str, n: int, *extra: str) -> int:
 
 
 class Quiet:
-    """A worker's reporter (its loop's and its trials') that keeps what it was told instead of
+    """A worker's display (its loop's and its trials') that keeps what it was told instead of
     printing it: messages and warnings, and each epoch as (trial number, epoch, score)."""
 
     def __init__(self) -> None:

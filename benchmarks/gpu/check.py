@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import random
@@ -357,8 +358,7 @@ def _search_one(name: str, path: Path, precision: str, setting: Setting) -> dict
         if "model" not in holder:
             holder["model"] = prepare(store.build(str(path), 9, seed=0), plan, device)
         holder["model"].zero_grad(set_to_none=True)
-        probe_step(holder["model"], plan, device, batch, setting.max_length,
-                   holder["model"].config.vocab_size)
+        probe_step(holder["model"], plan, device, batch, setting.max_length)
 
     found = batch_limit.search(step, setting.max_batch, batch_limit.BatchLimit(),
                                memory.device_memory_probe(device))
@@ -762,7 +762,8 @@ def step_steady(work: Path, setting: Setting) -> dict[str, Any]:
         "--epochs", str(setting.steady_epochs), "--batch", str(batch)])
     seen: dict[str, Any] = {}
 
-    def timed_train(model: Any, train_data: Any, plan: Any, on: Any, **kwargs: Any) -> Any:
+    def timed_train(model: Any, train_data: Any, plan: Any, on: Any, *, pad_id: int,
+                    hooks: Any) -> Any:
         """hpo.training.train.train, its counters read at the end of step `warm` (on_step)."""
         lengths = torch.tensor(train_data.lengths)
         seen["flops_per_sample"] = model_flops(model).sequences(lengths) / len(lengths)
@@ -774,7 +775,8 @@ def step_steady(work: Path, setting: Setting) -> dict[str, Any]:
                 seen["ours_mark"] = (progress.step_seconds, progress.samples,
                                      progress.model_flops)
 
-        progress = hpo_train.train(model, train_data, plan, on, on_step=on_step, **kwargs)
+        progress = hpo_train.train(model, train_data, plan, on, pad_id=pad_id,
+                                   hooks=dataclasses.replace(hooks, on_step=on_step))
         seen["ours"] = (progress.step_seconds, progress.samples, progress.model_flops, steps[0])
         return progress
 

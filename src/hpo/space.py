@@ -91,6 +91,17 @@ def declare(space: SearchSpace, device: Device | None) -> PinnedSpace:
 
 
 @dataclass(frozen=True)
+class StepCosts:
+    """What the study's check measured: the seconds of a training step per sequence, per
+    configuration and precision; how far their repeats strayed (relative, the same shape);
+    the precisions it could not judge beside other processes. What `by_cost` weighs."""
+
+    seconds: dict[str, dict[str, float]]
+    spreads: dict[str, dict[str, float]] | None = None
+    crowded: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class CostChoice:
     kept: tuple[str, ...]
     dropped: dict[str, str]  # precision -> why

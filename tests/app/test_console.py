@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from hpo.app.console import ConsoleReporter
+from hpo.app.console import ConsoleDisplay
 from hpo.space import Params
 from hpo.training.train import Plan
 from hpo.training.train import Progress as TrainProgress
@@ -14,17 +14,17 @@ HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 
 def test_an_interrupted_trial_clears_its_progress_bar_and_shows_the_cursor_again():
     screen = io.StringIO()
-    reporter = ConsoleReporter(Console(file=screen, force_terminal=True, width=120,
+    display = ConsoleDisplay(Console(file=screen, force_terminal=True, width=120,
                                        highlight=False))
     params = Params("tiny-bert", "bf16", 32, 3e-5)
     plan = Plan("bf16", 32, 16, 64, 3e-5, 0.01, 0.1, 1.0, epochs=3, seed=0)
-    reporter.trial_started(4, params, plan, probes=0)
-    reporter.step(4, TrainProgress(epoch=1, step=3, steps_per_epoch=10), epochs=3)
-    reporter.interrupted("trial 4 failed (interrupted by Ctrl-C) and re-queued")
+    display.trial_started(4, params, plan, probes=0)
+    display.step(4, TrainProgress(epoch=1, step=3, steps_per_epoch=10), epochs=3)
+    display.interrupted("trial 4 failed (interrupted by Ctrl-C) and re-queued")
     shown = screen.getvalue()
     assert HIDE_CURSOR in shown  # the bar hid it while it ran
     assert shown.rindex(SHOW_CURSOR) > shown.rindex(HIDE_CURSOR)
     # The message is the last thing drawn: no bar redrawn after it.
     assert shown.rstrip().endswith("trial 4 failed (interrupted by Ctrl-C) and re-queued")
-    reporter.interrupted("nothing running")  # no bar: just the line
+    display.interrupted("nothing running")  # no bar: just the line
     assert screen.getvalue().rstrip().endswith("nothing running")

@@ -326,7 +326,7 @@ def test_a_device_others_use_is_searched_for_what_is_left_and_the_user_told(
     from hpo.config import StudyConfig
     from hpo.hardware import Device
     from hpo.space import Params
-    from hpo.trial.batch_limit import StudyBatchCache
+    from hpo.trial.batch_limit import StudyBatchCache, unfitted_plan
 
     config = StudyConfig.model_validate(study_dict(["m"], tmp_path))
     device = Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30)
@@ -334,23 +334,23 @@ def test_a_device_others_use_is_searched_for_what_is_left_and_the_user_told(
     found = final_module.Recipe(3, 0.5, Params("m", "bf16", 16, 1e-4), config.training, 1)
     searched_with = []
 
-    def fit_batch(base, *_args, shared=0):
+    def fit_batch(params, training, *_args, shared=0):
         searched_with.append(shared)
-        return base, "key", 2
+        return unfitted_plan(params, training), "key", 2
 
     monkeypatch.setattr(final_module, "fit_batch", fit_batch)
     monkeypatch.setattr(final_module.memory, "foreign_bytes", lambda _device: 41 * 2**30)
-    reporter = Quiet()
+    display = Quiet()
     cache = StudyBatchCache(optuna.create_study())
-    _, probes = final_module.fitted_plan(found, resources, cache, 2, False, reporter)
+    _, probes = final_module.fitted_plan(found, resources, cache, False, display)
     assert probes == 2 and searched_with == [41 * 2**30]
-    assert len(reporter.messages) == 1
-    assert "41.0 GiB of" in reporter.messages[0] and "GPU of its own" in reporter.messages[0]
+    assert len(display.messages) == 1
+    assert "41.0 GiB of" in display.messages[0] and "GPU of its own" in display.messages[0]
 
     monkeypatch.setattr(final_module.memory, "foreign_bytes", lambda _device: 0)
-    reporter = Quiet()
-    final_module.fitted_plan(found, resources, cache, 2, False, reporter)
-    assert searched_with[-1] == 0 and reporter.messages == []
+    display = Quiet()
+    final_module.fitted_plan(found, resources, cache, False, display)
+    assert searched_with[-1] == 0 and display.messages == []
 
 
 def test_a_search_scored_inside_epochs_is_refit_to_the_evaluation_its_value_came_from(

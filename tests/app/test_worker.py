@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 
 from hpo.app import console, worker
 from hpo.app.console import below_baseline_warning
-from hpo.app.worker import WorkerStopped, run_worker
+from hpo.app.worker import Limits, WorkerStopped, run_worker
 from hpo.cli import main
 from hpo.errors import Terminated
 from hpo.outcome import Outcome
@@ -45,25 +45,25 @@ def bare_study(tmp_path):
 
 def test_a_worker_stops_at_the_study_total(bare_study):
     study, storage = bare_study
-    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), n_trials=3)
+    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), Limits(3))
     assert (result.ran, result.finished) == (3, 3)
-    again = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), n_trials=3)
+    again = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), Limits(3))
     assert (again.ran, again.finished) == (0, 3)
 
 
 def test_failed_trials_free_their_slot_and_three_in_a_row_stop_the_worker(bare_study):
     study, storage = bare_study
     with pytest.raises(WorkerStopped, match="3 trials in a row failed; last error: broken"):
-        run_worker(study, storage, ending_in(TrialState.FAIL), Quiet(), n_trials=2)
+        run_worker(study, storage, ending_in(TrialState.FAIL), Quiet(), Limits(2))
     assert Counter(t.state for t in study.trials) == {TrialState.FAIL: 3}
 
 
 def test_a_timeout_stops_claiming(bare_study):
     study, storage = bare_study
-    reporter = Quiet()
-    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), reporter,
-                        n_trials=float("inf"), timeout=1e-9)
-    assert result.ran == 0 and "timeout of 1e-09s reached" in reporter.messages
+    display = Quiet()
+    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), display,
+                        Limits(float("inf"), timeout=1e-9))
+    assert result.ran == 0 and "timeout of 1e-09s reached" in display.messages
 
 
 @pytest.mark.parametrize(("stop", "why"), [(Terminated, "SIGTERM"),
@@ -78,17 +78,17 @@ def test_an_interrupted_trial_is_failed_with_the_reason_and_requeued_at_once(tmp
         context.trial.suggest_float("x", 0.0, 1.0)
         raise stop()
 
-    reporter = Quiet()
+    display = Quiet()
     with pytest.raises(stop):
-        run_worker(study, storage, interrupted, reporter, n_trials=1)
+        run_worker(study, storage, interrupted, display, Limits(1))
     (failed,) = study.get_trials(states=(TrialState.FAIL,))
     assert failed.user_attrs["error"] == f"interrupted by {why}"
-    assert reporter.messages[-1] == (
+    assert display.messages[-1] == (
         f"trial 0 failed (interrupted by {why}) and re-queued for the next worker")
     (waiting,) = study.get_trials(states=(TrialState.WAITING,))
     assert waiting.params == failed.params and "error" not in waiting.user_attrs
     # The next worker takes the re-queued trial first, with the same parameters.
-    run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), n_trials=1)
+    run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), Limits(1))
     (done,) = study.get_trials(states=(TrialState.COMPLETE,))
     assert done.params == failed.params and done.user_attrs["retry_of"] == 0
 
@@ -101,10 +101,10 @@ def test_an_interrupted_trial_whose_retries_are_used_up_stays_failed(tmp_path):
     def interrupted(context):
         raise KeyboardInterrupt
 
-    reporter = Quiet()
+    display = Quiet()
     with pytest.raises(KeyboardInterrupt):
-        run_worker(study, storage, interrupted, reporter, n_trials=1)
-    assert reporter.messages[-1] == (
+        run_worker(study, storage, interrupted, display, Limits(1))
+    assert display.messages[-1] == (
         "trial 0 failed (interrupted by Ctrl-C); its retries are used up")
     assert [t.state for t in study.trials] == [TrialState.FAIL]
 
@@ -142,7 +142,7 @@ def test_a_seeded_study_draws_new_parameters_after_a_restart(tiny_study, tmp_pat
             study = optuna.create_study(study_name="w", storage=storage, load_if_exists=True,
                                         sampler=make_sampler(config))
             run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(),
-                       n_trials=n_trials)
+                       Limits(n_trials))
         return [t.params["x"] for t in study.trials]
 
     restarted = search("restarted.db", (3, 6))
@@ -303,13 +303,13 @@ def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_oversh
         return False
 
     monkeypatch.setattr(budget, "lock_held", lost)
-    reporter = Quiet()
-    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), reporter, n_trials=1)
+    display = Quiet()
+    result = run_worker(study, storage, ending_in(TrialState.COMPLETE), display, Limits(1))
     assert result.ran == 0
     given_back, other = study.trials
     assert (given_back.state, other.state) == (TrialState.FAIL, TrialState.COMPLETE)
     assert "given back to keep the budget exact" in given_back.user_attrs["error"]
-    assert "trial 0 given back" in reporter.messages[0]
+    assert "trial 0 given back" in display.messages[0]
 
 
 def test_no_trial_reads_the_test_split(tmp_path, tiny_model, small_data, monkeypatch):

@@ -154,20 +154,22 @@ def test_deleting_the_study_removes_its_kept_models(study_file, tmp_path, capsys
 
 
 def test_ranking_keeps_the_best_k_whatever_the_order_of_finishing(tmp_path):
-    from hpo.search.artifacts import Keeper, keep, open_store
+    from hpo.search.artifacts import Keeper, keep, open_store, ranks
 
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
     study = optuna.create_study(study_name="s", storage=storage, direction="maximize")
     keeper = Keeper(open_store(str(tmp_path / "store")), str(tmp_path / "store"), 2)
 
-    def save(directory):
-        directory.mkdir()
-        (directory / "weights").write_text("w")
-
     ids = {}
     for value in (0.5, 0.7, 0.6, 0.4, 0.7):
         trial = study.ask()
-        ids[trial.number] = keep(trial, value, keeper, save)
+        if ranks(trial, value, keeper):  # as records.keep saves only a model that ranks
+            saved = tmp_path / f"trial-{trial.number}"
+            saved.mkdir()
+            (saved / "weights").write_text("w")
+            ids[trial.number] = keep(trial, value, keeper, saved)
+        else:
+            ids[trial.number] = None
         study.tell(trial, value)
     # 0.4 ranks below two others and is not uploaded; the later 0.7 ties the first and wins
     # second place over 0.6, whose model is removed.

@@ -51,7 +51,7 @@ def test_a_worker_claims_only_below_the_budget(counts, claims):
 def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
     """Issue 30: with more sets enqueued than the budget, every worker took one while any
     waited, so three workers finished 4 trials for a budget of 2."""
-    from hpo.app.worker import run_worker
+    from hpo.app.worker import Limits, run_worker
     from hpo.outcome import Outcome
 
     setup = open_storage(pg_url)
@@ -70,7 +70,7 @@ def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
         storage = open_storage(pg_url)
         try:
             run_worker(optuna.load_study(study_name="q", storage=storage), storage, slow,
-                       Quiet(), n_trials=2, poll_seconds=0.1)
+                       Quiet(), Limits(2, poll_seconds=0.1))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
         finally:

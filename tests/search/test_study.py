@@ -13,7 +13,7 @@ from hpo.cli import main
 from hpo.hardware import detect, native_precisions, precision_names
 from hpo.search.storage import open_storage
 from hpo.search.study import decide_precisions, join
-from hpo.space import CROWDED, PIN_ATTR, PinnedSpace, by_cost
+from hpo.space import CROWDED, PIN_ATTR, PinnedSpace, StepCosts, by_cost
 from hpo.study_files import load
 from hpo.trial import step_check
 
@@ -69,10 +69,11 @@ def _pinned_study(storage_url: str, precisions: tuple[str, ...], declared: str =
 def test_auto_precisions_are_decided_once_by_the_first_worker(any_storage):
     study, storage, pinned = _pinned_study(any_storage, ("bf16", "none"))
     fast_bf16 = {"m": {"bf16": 1.0, "none": 1.4}}
-    first = decide_precisions(study, storage, pinned, fast_bf16, 0.1)
+    first = decide_precisions(study, storage, pinned, StepCosts(fast_bf16), 0.1)
     assert first.fp_precision == ("bf16",) and first.decided["by"] == "cost"
     # Another worker measured otherwise (noise, another device): the first decision holds.
-    second = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.4, "none": 1.0}}, 0.1)
+    second = decide_precisions(study, storage, pinned,
+                               StepCosts({"m": {"bf16": 1.4, "none": 1.0}}), 0.1)
     assert second == first
     assert PinnedSpace.from_json(study.user_attrs[PIN_ATTR]) == first
     storage.engine.dispose()
@@ -82,8 +83,8 @@ def test_auto_keeps_a_precision_the_first_worker_could_not_step_in_beside_others
     # The first worker shared its GPU: fp32 ran out of memory in every model. The decision
     # binds the whole fleet, so fp32 stays searched, and the study records why.
     study, storage, pinned = _pinned_study(f"sqlite:///{tmp_path / 'c.db'}", ("bf16", "none"))
-    decided = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.0}}, 0.1, None,
-                                frozenset({"none"}))
+    decided = decide_precisions(study, storage, pinned,
+                                StepCosts({"m": {"bf16": 1.0}}, None, frozenset({"none"})), 0.1)
     assert decided.fp_precision == ("bf16", "none")
     assert decided.decided == {"by": "cost", "tolerance": 0.1, "dropped": {},
                                "unsettled": {"none": CROWDED}}
@@ -101,14 +102,15 @@ def test_auto_keeps_every_native_precision_without_timings_or_once_trials_sample
     study, storage, pinned = _pinned_study(f"sqlite:///{tmp_path / 'e.db'}", ("bf16", "none"))
     trial = study.ask()  # an older worker's trial, which sampled from both
     trial.suggest_categorical("fp_precision", ["bf16", "none"])
-    late = decide_precisions(study, storage, pinned, {"m": {"bf16": 1.0, "none": 2.0}}, 0.1)
+    late = decide_precisions(study, storage, pinned,
+                             StepCosts({"m": {"bf16": 1.0, "none": 2.0}}), 0.1)
     assert late.fp_precision == ("bf16", "none") and late.decided["by"] == "native"
     # An explicit list, and `native`, are not the check's to narrow.
     for declared in (["bf16", "none"], "native"):
         study, storage, pinned = _pinned_study(f"sqlite:///{tmp_path / f'{declared}.db'}",
                                                ("bf16", "none"), declared)
-        assert decide_precisions(study, storage, pinned, {"m": {"bf16": 1.0, "none": 2.0}},
-                                 0.1) == pinned
+        assert decide_precisions(study, storage, pinned,
+                                 StepCosts({"m": {"bf16": 1.0, "none": 2.0}}), 0.1) == pinned
 
 
 def test_many_workers_create_one_study_on_an_empty_database(tiny_study, pg_url):

@@ -76,7 +76,7 @@ def test_an_interrupted_export_leaves_no_partial_model_nor_directory(tmp_path, m
 
     monkeypatch.setattr(export, "save_model", save_then_stop)
     with pytest.raises(interrupt):
-        export.write(tmp_path / "final" / "demo", None, REPORT, ("a",))
+        export.write(tmp_path / "final" / "demo", None, REPORT)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -91,7 +91,7 @@ def test_an_interrupted_export_keeps_the_earlier_one(tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "save_model", stop)
     with pytest.raises(KeyboardInterrupt):
-        export.write(earlier, None, REPORT, ("a",))
+        export.write(earlier, None, REPORT)
     assert [p.name for p in tmp_path.iterdir()] == ["demo"]
     assert (earlier / export.REPORT).read_text() == "{}"
 
@@ -105,7 +105,7 @@ def card_written(tmp_path, monkeypatch, report):
     """The README.md `export.write` leaves, read back by huggingface_hub's own parser."""
     monkeypatch.setattr(export, "save_model", lambda directory, *args, **kwargs:
                         directory.mkdir())
-    export.write(tmp_path / "model", None, report, ("a",))
+    export.write(tmp_path / "model", None, report)
     return ModelCard.load(tmp_path / "model" / export.CARD)
 
 

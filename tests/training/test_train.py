@@ -18,6 +18,7 @@ from hpo.training.flops import model_flops
 from hpo.training.models import ModelStore
 from hpo.training.train import (
     CompiledOrEager,
+    Hooks,
     NonFiniteLoss,
     Plan,
     Progress,
@@ -92,8 +93,8 @@ def test_training_runs_exact_steps_and_reports_each_epoch(setup, tiny_model):
     epochs, steps = [], []
     progress = train(
         model, data, p, device, pad_id=tokenizer.pad_token_id,
-        evaluate=lambda m: 0.5, on_evaluation=lambda e, s: epochs.append((e, s)),
-        on_step=lambda pr: steps.append(pr.step),
+        hooks=Hooks(lambda m: 0.5, lambda e, s: epochs.append((e, s)),
+                    lambda pr: steps.append(pr.step)),
     )
     assert epochs == [(1, 0.5), (2, 0.5)]
     assert progress.samples == 2 * (40 // 8) * 8
@@ -141,8 +142,8 @@ def test_evaluations_inside_epochs_report_each_and_stop_after_ends_the_schedule_
     p = plan(evaluations_per_epoch=2)  # 40 posts at 8: 5 steps an epoch, scored after 3 and 5
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-                     evaluate=lambda m: 0.5, on_evaluation=lambda i, s: reports.append(i),
-                     on_step=lambda pr: steps.append((pr.epoch, pr.step)))
+                     hooks=Hooks(lambda m: 0.5, lambda i, s: reports.append(i),
+                                 lambda pr: steps.append((pr.epoch, pr.step))))
     assert reports == [1, 2, 3, 4] and p.evaluations == 4
     assert len(progress.epoch_seconds) == 4 and totals == [10]
     assert steps[-1] == (2, 5)
@@ -152,8 +153,8 @@ def test_evaluations_inside_epochs_report_each_and_stop_after_ends_the_schedule_
     p = plan(evaluations_per_epoch=2, stop_after=3)
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-                     evaluate=lambda m: 0.5, on_evaluation=lambda i, s: reports.append(i),
-                     on_step=lambda pr: steps.append((pr.epoch, pr.step)))
+                     hooks=Hooks(lambda m: 0.5, lambda i, s: reports.append(i),
+                                 lambda pr: steps.append((pr.epoch, pr.step))))
     assert reports == [1, 2, 3] and totals[-1] == 8 and steps[-1] == (2, 3)
     assert progress.samples == 8 * 8
 
@@ -182,7 +183,7 @@ def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     before = [t.clone() for t in model.parameters()]
     progress = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-                     evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
+                     hooks=Hooks(lambda m: 0.0))
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # The scaler's scale is recorded for fp16 (2**16 unless a step overflowed), else nothing.
     if precision == "fp16":
@@ -203,7 +204,7 @@ def test_non_finite_loss_stops_training(setup, tiny_model):
     model.classifier.register_forward_hook(lambda _m, _i, out: out * math.nan)
     with pytest.raises(NonFiniteLoss, match="loss nan at epoch 1, step 1"):
         train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-              evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
+              hooks=Hooks(lambda m: 0.0))
 
 
 def test_too_few_examples_for_one_step(setup, tiny_model):
@@ -213,7 +214,7 @@ def test_too_few_examples_for_one_step(setup, tiny_model):
     model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
     with pytest.raises(ValueError, match="fewer than one effective batch of 64"):
         train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-              evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
+              hooks=Hooks(lambda m: 0.0))
 
 
 PREPARE_FOR_CUDA = """
@@ -262,7 +263,7 @@ def _train_once(model, setup, p):
     store, tokenizer, data = setup
     device = detect("cpu")
     train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-          evaluate=lambda m: 0.0, on_evaluation=lambda e, s: None)
+          hooks=Hooks(lambda m: 0.0))
     return predict(model, data, 7, device, p.precision, tokenizer.pad_token_id)
 
 
@@ -305,9 +306,9 @@ def test_a_mocked_gpu_shared_by_k_workers_holds_a_kth_of_its_batch_in_each(
     monkeypatch.setenv("HPO_FAULT_OOM_ABOVE_BATCH", "8")
     half = replace(detect("cpu"), sharing=2)
     model = prepare(setup[0].build(str(tiny_model), 9, seed=0), plan(), half)
-    probe_step(model, plan(), half, 4, 8, 100)
+    probe_step(model, plan(), half, 4, 8)
     with pytest.raises(torch.OutOfMemoryError, match="micro-batch 5 > "):
-        probe_step(model, plan(), half, 5, 8, 100)
+        probe_step(model, plan(), half, 5, 8)
 
 
 def counting_backend(counts: dict[str, int]):

@@ -191,6 +191,7 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
     from hpo.trial import drivers
     from hpo.trial.batch_limit import StudyBatchCache
     from hpo.trial.context import TrialContext
+    from hpo.trial.run import TrialRun
 
     monkeypatch.setattr(drivers, "fit", _fake_fit(values))
     study = optuna.create_study(direction="maximize")
@@ -205,7 +206,7 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
                                                   evaluations_per_epoch=1), pad_id=0,
                               params=SimpleNamespace(model_name="m"), training=None,
                               train_data=None, validation_data=None)
-    trained = drivers.train_trial(context, planned, resources)
+    trained = drivers.train_trial(TrialRun(context, planned, resources))
     return trained, study, said
 
 

@@ -96,7 +96,7 @@ def _reap_during_first_epoch(monkeypatch, storage_url: str, claimed_by_another: 
     from hpo.app import console
     from hpo.search.storage import open_storage
 
-    epoch = console.ConsoleReporter.epoch
+    epoch = console.ConsoleDisplay.epoch
     struck = []
 
     def reaped_meanwhile(self, number, *args):
@@ -114,7 +114,7 @@ def _reap_during_first_epoch(monkeypatch, storage_url: str, claimed_by_another: 
             other.engine.dispose()
         epoch(self, number, *args)
 
-    monkeypatch.setattr(console.ConsoleReporter, "epoch", reaped_meanwhile)
+    monkeypatch.setattr(console.ConsoleDisplay, "epoch", reaped_meanwhile)
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
@@ -197,7 +197,7 @@ def _context(study: optuna.Study | None = None):
     from hpo.trial.context import TrialContext
 
     study = study or optuna.create_study()
-    return TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), reporter=None)
+    return TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), display=None)
 
 
 def test_tell_prunes_an_oom_and_lowers_the_studys_batch_limit_for_what_it_tried():

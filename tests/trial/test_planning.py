@@ -43,12 +43,10 @@ def fits_up_to(monkeypatch):
     limit, tried = [5], []
 
     def model(*_args) -> torch.nn.Module:
-        built = torch.nn.Linear(1, 1)
-        built.config = SimpleNamespace(vocab_size=7)  # what probe_step reads
-        return built
+        return torch.nn.Linear(1, 1)
 
-    def step(_model, _plan, _device, batch: int, length: int, vocab: int) -> float:
-        assert (length, vocab) == (32, 7)  # data.max_length, below the tokenizer's 512
+    def step(_model, _plan, _device, batch: int, length: int) -> float:
+        assert length == 32  # data.max_length, below the tokenizer's 512
         tried.append(batch)
         if batch > limit[0]:
             raise torch.OutOfMemoryError("fake: out of memory")
@@ -63,8 +61,7 @@ def fits_up_to(monkeypatch):
 def _fit(resources: Resources, cache: StudyBatchCache, target: int, watch=batch_limit.unwatched):
     params = Params("m", "none", target, 1e-4)
     training = resources.config.training
-    return batch_limit.fit_batch(planning.base_plan(params, training), params, training, 2,
-                              resources, cache, watch)
+    return batch_limit.fit_batch(params, training, resources, cache, watch=watch)
 
 
 def test_the_batch_search_keeps_a_safety_margin_and_accumulates_to_the_exact_target(
@@ -121,7 +118,7 @@ def test_a_combination_the_check_found_unusable_is_refused_before_any_probe(
     _, tried = fits_up_to
     monkeypatch.setattr(step_check, "unusable", lambda *_args: "its step failed in the check")
     study = optuna.create_study()
-    context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), reporter=None)
+    context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), display=None)
     with pytest.raises(step_check.Unusable, match="m none: its step failed in the check"):
         planning.plan_trial(context, Params("m", "none", 8, 1e-4), _resources(tmp_path))
     assert tried == []
@@ -138,8 +135,7 @@ def test_on_a_shared_device_the_search_ignores_the_cached_limit_and_caches_nothi
     key = batch_limit.cache_key(params, resources.config.training, 32, CPU)
     cache.update(key, BatchLimit(100, 200))
     training = resources.config.training
-    plan, _, probes = batch_limit.fit_batch(planning.base_plan(params, training), params,
-                                         training, 2, resources, cache, shared=2**30)
+    plan, _, probes = batch_limit.fit_batch(params, training, resources, cache, shared=2**30)
     assert probes == len(tried) > 0 and plan.physical_batch == 4
     assert cache.get(key) == BatchLimit(100, 200)
     assert max(tried) <= 16  # no further than the trial's batch
@@ -155,11 +151,11 @@ def test_a_trial_planned_on_a_shared_device_says_so_and_records_it(
     monkeypatch.setattr(Resources, "encoded", lambda _self, _name: (data, data, "fake"))
     monkeypatch.setattr(Resources, "pad_id", lambda _self, _name: 0)
     study = optuna.create_study()
-    reporter = Quiet()
+    display = Quiet()
     context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study),
-                           reporter=reporter)  # type: ignore[arg-type]
+                           display=display)  # type: ignore[arg-type]
     planned = planning.plan_trial(context, Params("m", "none", 8, 1e-4), _resources(tmp_path))
     assert planned.shared_bytes == 3 * 2**30 and planned.plan.physical_batch == 4
     assert any("3.0 GiB of" in m and "one worker per GPU" in m
-               for m in reporter.messages), reporter.messages
+               for m in display.messages), display.messages
     assert not [k for k in study.user_attrs if k.startswith(StudyBatchCache.PREFIX)]

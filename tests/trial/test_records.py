@@ -52,7 +52,8 @@ def test_an_interrupted_trial_is_told_apart_from_a_given_back_one():
 
 def test_a_cross_validated_trials_folds_so_far():
     study, trial = _trial()
-    records.record_folds(trial, [0.51234, 0.6], [2, 1], 12.34567, None, None, compiled=True)
+    folds = records.FoldsSoFar([0.51234, 0.6], [2, 1], 12.34567)
+    records.record_folds(trial, folds, compiled=True)
     attrs = study.trials[0].user_attrs
     assert attrs == {"fold_scores": [0.5123, 0.6], "fold_value_epochs": [2, 1],
                      "train_seconds": 12.346, "compiled": True}
@@ -93,7 +94,8 @@ def test_a_trials_scores_come_from_the_epoch_its_rule_chooses():
               Scores(0.5, 0.7, {"a": 0.5})]
     for rule, epoch in (("best", 2), ("last", 3)):
         study, trial = _trial()
-        records.record_progress(trial, None, scores, "macro_f1", rule, None)
+        study_settings = SimpleNamespace(objective="macro_f1", objective_epoch=rule)
+        records.record_progress(trial, None, scores, study_settings, None)
         attrs = study.trials[0].user_attrs
         assert attrs["value_epoch"] == epoch and attrs["epoch_scores"] == [0.3, 0.6, 0.5]
         chosen = scores[epoch - 1]

@@ -98,7 +98,7 @@ def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, 
            fresh: bool) -> None:
     """The study's check on this host's device, for the pinned precisions it runs natively;
     `fresh` runs it even if a worker on this kind of device already has."""
-    from hpo.app.console import ConsoleReporter
+    from hpo.app.console import ConsoleDisplay
     from hpo.hardware import native_precisions
     from hpo.space import PinnedSpace
     from hpo.training import memory
@@ -119,7 +119,7 @@ def _check(prepared: Prepared, optuna_study: optuna.Study, pinned: PinnedSpace, 
     # As in a worker: the imported modules and loaded models out of the collector's sight, so
     # the check's collections between combinations walk only its own objects.
     with memory.long_lived_frozen():
-        verdicts = check_module.ensure(optuna_study, resources, precisions, ConsoleReporter())
+        verdicts = check_module.ensure(optuna_study, resources, precisions, ConsoleDisplay())
     usable = sum(v.usable for v in verdicts)
     print(f"{usable} of {len(verdicts)} model x precision combinations usable on "
           f"{device.describe()}; the study keeps the verdicts for this kind of device")
@@ -133,12 +133,10 @@ def run(ref: StudyRef, *, n_trials: int | None, timeout: float | None,
 
     from hpo.app import worker
 
-    worker.work(
-        prepared.config, prepared.splits, prepared.device, prepared.url, prepared.storage,
-        n_trials=n_trials if n_trials is not None else math.inf,
-        timeout=timeout, run_check=not skip_check, verbose=verbose,
-        next_command=study_options(ref, prepared.url),
-    )
+    worker.work(prepared, worker.Orders(
+        n_trials=n_trials if n_trials is not None else math.inf, timeout=timeout,
+        run_check=not skip_check, verbose=verbose,
+        next_command=study_options(ref, prepared.url)))
 
 
 def dead_worker_trials(ref: StudyRef) -> Callable[[int, str], list[tuple[int, bool]]]:
@@ -204,7 +202,7 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
     prepared = prepare(ref, runs_trials=False, existing=True)
 
     from hpo.app import final as final_module
-    from hpo.app.console import ConsoleReporter
+    from hpo.app.console import ConsoleDisplay
     from hpo.search.study import splits_recorded
     from hpo.space import PinnedSpace, declare
     from hpo.training import export
@@ -216,9 +214,9 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
         raise ConfigError(f"data.test_fraction is {config.data.test_fraction:g}: there is no "
                           f"held-out test split to score the final model on")
     optuna_study = load_study(ref, prepared.storage, prepared.url)
-    reporter = ConsoleReporter()
+    display = ConsoleDisplay()
     if not splits_recorded(optuna_study, prepared.splits):
-        reporter.warning(f"study '{optuna_study.study_name}' recorded no data split (its "
+        display.warning(f"study '{optuna_study.study_name}' recorded no data split (its "
                          f"workers predate that): the test split is taken to be the one its "
                          f"search held out")
     output = output or Path("final") / optuna_study.study_name
@@ -227,9 +225,9 @@ def final(ref: StudyRef, *, trial: int | None, seeds: int, refit: bool, tuned: b
     resources = load_resources(config, pinned, prepared.device, prepared.splits)
     options = final_module.Options(number=trial, seeds=seeds, refit=refit, tuned=tuned)
     report, model = final_module.final(optuna_study, resources, prepared.splits, options,
-                                       reporter,
+                                       display,
                                        shared_batch_cache(optuna_study, prepared.storage))
-    export.write(output, model, report, resources.label_names)
+    export.write(output, model, report)
     print(final_module.render(report))
     print(f"model, report.json and model card written to {output}")
 

@@ -14,9 +14,10 @@ from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from hpo.app.preflight import Prepared
 from hpo.config import StudyConfig
 from hpo.data.splits import Splits
-from hpo.hardware import Device, precision_name, precision_names
+from hpo.hardware import precision_name, precision_names
 from hpo.outcome import Outcome
 from hpo.search import artifacts
 from hpo.search.storage import redact
@@ -42,7 +43,10 @@ def describe_params(params: dict) -> str:
     return " ".join(parts)
 
 
-class ConsoleReporter:
+class ConsoleDisplay:
+    """What a worker and `hpo final` show on the terminal: each trial's start, a progress bar
+    over its steps, its epochs and its end, messages and warnings."""
+
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self.live = self.console.is_terminal
@@ -161,14 +165,16 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def study_lines(config: StudyConfig, url: str, device: Device, splits: Splits,
-                pinned: PinnedSpace, finished: int, n_trials: float) -> list[str]:
+def study_lines(site: Prepared, pinned: PinnedSpace, finished: int, n_trials: float
+                ) -> list[str]:
     """What a worker says first: the study, its budget and device; then data and precisions."""
     goal = ("no trial budget" if math.isinf(n_trials)
             else f"{finished}/{n_trials:g} trials finished")
+    config, splits = site.config, site.splits
     data = config.data
     return [
-        f"study '{config.study.name}' on {redact(url)}: {goal}; device {device.describe()}",
+        f"study '{config.study.name}' on {redact(site.url)}: {goal}; device "
+        f"{site.device.describe()}",
         f"  data: {len(splits.train)} training / {len(splits.validation)} validation posts "
         f"(task {data.task}, up to {data.max_length} tokens); precisions: "
         f"{pinned.describe_precisions()}",
@@ -249,9 +255,11 @@ def below_baseline_warning(study: optuna.Study, objective: str, baseline: float)
             f"epochs, more trials or another learning-rate range")
 
 
-def closing_lines(study: optuna.Study, url: str, ran: int, finished: int, n_trials: float,
+def closing_lines(study: optuna.Study, url: str, counts: tuple[int, int], n_trials: float,
                   keeper: artifacts.Keeper | None, next_command: str) -> list[str]:
-    """Where the results are and what to run next, after the best trial."""
+    """Where the results are and what to run next, after the best trial: `counts` are the
+    trials this worker ran and the study's finished trials."""
+    ran, finished = counts
     budget_text = "" if math.isinf(n_trials) else f" of {n_trials:g}"
     where = f"the study is in {redact(url)}"
     if keeper is not None and artifacts.kept(study):

@@ -19,7 +19,7 @@ import pydantic
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from hpo.app.console import ConsoleReporter
+from hpo.app.console import ConsoleDisplay
 from hpo.config import ADAPTER_RATE, TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.data.redsm5 import Post
@@ -43,7 +43,6 @@ from hpo.training.models import ModelStore
 from hpo.training.train import Plan, Progress, as_epochs, predict
 from hpo.trial.batch_limit import StudyBatchCache, fit_batch
 from hpo.trial.drivers import FitJob, fit, scorer
-from hpo.trial.planning import base_plan
 from hpo.trial.resources import Resources
 
 SEARCHED = ("model_name", "fp_precision", "target_effective_batch_size", "learning_rate",
@@ -154,8 +153,8 @@ def validate_precision(found: Recipe, resources: Resources) -> None:
                          f"{', '.join(native)}): run hpo final on a device like the search's")
 
 
-def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num_labels: int,
-                refit: bool, reporter: ConsoleReporter) -> tuple[Plan, int]:
+def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, refit: bool,
+                display: ConsoleDisplay) -> tuple[Plan, int]:
     """The trial's plan with the batches that fit this device (the study's cached limit; a
     batch search where this kind of device has none). With --refit and the best epoch as the
     trial's value, training stops at that epoch: there is no validation split left to choose
@@ -168,13 +167,12 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
         stop_after = round(found.value_epoch * training.evaluations_per_epoch)
     shared = memory.foreign_bytes(resources.device)
     if shared:
-        reporter.warning(f"{shared / 2**30:.1f} GiB of {resources.device.describe()} is held "
+        display.warning(f"{shared / 2**30:.1f} GiB of {resources.device.describe()} is held "
                          f"outside hpo final (other processes use it): its batch is searched "
                          f"for what is left now and kept out of the study's cache, and a "
                          f"neighbour that grows can still run it out of memory; give it a GPU "
                          f"of its own (CUDA_VISIBLE_DEVICES)")
-    plan, _, probes = fit_batch(base_plan(found.params, training), found.params, training,
-                                num_labels, resources, cache, shared=shared)
+    plan, _, probes = fit_batch(found.params, training, resources, cache, shared=shared)
     return replace(plan, stop_after=stop_after), probes
 
 
@@ -182,49 +180,49 @@ def fitted_plan(found: Recipe, resources: Resources, cache: StudyBatchCache, num
 class _RunListener:
     """A retraining run heard: said when built, each evaluation and step shown."""
 
-    reporter: ConsoleReporter
+    display: ConsoleDisplay
     label: str
     plan: Plan
 
     def built(self, _base: torch.nn.Module, _model: torch.nn.Module, _seconds: float) -> None:
-        self.reporter.run_started(self.label, self.plan)
+        self.display.run_started(self.label, self.plan)
 
     def evaluated(self, index: int, score: float) -> None:
         plan = self.plan
-        self.reporter.epoch(self.label, as_epochs(index, plan.evaluations_per_epoch),
+        self.display.epoch(self.label, as_epochs(index, plan.evaluations_per_epoch),
                             plan.epochs, score)
 
     def stepped(self, progress: Progress) -> None:
-        self.reporter.step(self.label, progress, self.plan.epochs)
+        self.display.step(self.label, progress, self.plan.epochs)
 
 
-def train_run(found: Recipe, plan: Plan, resources: Resources, data: Data, gold: torch.Tensor,
-              seed: int, *, refit: bool, reporter: ConsoleReporter, label: str,
-              ) -> tuple[Run, torch.nn.Module]:
+def train_run(job: Retraining, seed: int, label: str) -> tuple[Run, torch.nn.Module]:
     """Train the trial's configuration with `seed` (its data order and dropout; the head is
     initialised from it too) and score the weights of the epoch the study's rule keeps, as
     the search's trials are trained and scored (`drivers.fit`). Returns the run and the
     model with those weights, on the device."""
-    plan = replace(plan, seed=seed)
-    objective = resources.config.study.objective
-    device = resources.device
+    plan = replace(job.plan, seed=seed)
+    resources, data, refit = job.resources, job.data, job.options.refit
     scores: list[metrics.Scores] = []
     # With --refit no validation split is left to score: the last epoch is kept unscored.
     evaluate = ((lambda _model: math.nan) if refit
-                else scorer(resources, plan, data.validation, gold, data.pad_id, scores))
+                else scorer(resources, plan, data.validation, job.gold_validation,
+                            data.pad_id, scores))
     # A store of its own: each seed's initial weights are needed once.
     # Every chosen evaluation's weights are copied (a floor of -inf): the run's model is
     # exported whatever it scores.
-    job = FitJob(ModelStore(), found.params.model_name,
-                 found.training.model_copy(update={"seed": seed}), plan, data.train,
-                 data.pad_id, evaluate, scores, snapshot=None if refit else -math.inf)
-    model, kept = fit(job, resources, _RunListener(reporter, label, plan))
+    found = job.found
+    fit_job = FitJob(ModelStore(), found.params.model_name,
+                     found.training.model_copy(update={"seed": seed}), plan, data.train,
+                     data.pad_id, evaluate, scores, snapshot=None if refit else -math.inf)
+    model, kept = fit(fit_job, resources, _RunListener(job.display, label, plan))
     assert model is not None  # under a floor of -inf every chosen evaluation is copied
-    kept_score = None if refit else scores[kept - 1].get(objective)
+    kept_score = None if refit else scores[kept - 1].get(resources.config.study.objective)
     # Adapters folded into the body, all in float32: the model as it is exported.
     model = adapters.merged(model)
     model.eval()
     # Scored as exported: float32 weights, no autocast, as a plain pipeline runs them.
+    device = resources.device
     validation = (None if refit else predict(model, data.validation, plan.eval_batch, device,
                                              "none", data.pad_id))
     test = predict(model, data.test, plan.eval_batch, device, "none", data.pad_id)
@@ -274,39 +272,63 @@ class Options:
     tuned: bool  # thresholds tuned on the validation split, else 0.5
 
 
+@dataclass(frozen=True)
+class Retraining:
+    """What every seed's run of `hpo final` shares: the chosen trial's recipe and the plan
+    fitted to this device (found in `probes` probes), the study's resources and splits, the
+    splits encoded for the trial's model, the gold labels they are scored against, the
+    command's options and where it reports."""
+
+    found: Recipe
+    plan: Plan
+    probes: int
+    resources: Resources
+    splits: Splits
+    data: Data
+    gold_validation: torch.Tensor
+    gold_test: torch.Tensor
+    options: Options
+    display: ConsoleDisplay
+
+
+def retraining(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
+               display: ConsoleDisplay, cache: StudyBatchCache) -> Retraining:
+    """The chosen trial's retraining, its data encoded and its batch fitted (`cache` is the
+    study's batch cache, shared with its workers)."""
+    found = recipe(study, options.number, resources.config.training)
+    validate_precision(found, resources)
+    data = encode_splits(resources, splits, found.params.model_name, options.refit)
+    config = resources.config.data
+    gold_test = resources.gold(build_examples(splits.test, config.task,
+                                              special_case=config.special_case))
+    plan, probes = fitted_plan(found, resources, cache, options.refit, display)
+    return Retraining(found, plan, probes, resources, splits, data, resources.gold(),
+                      gold_test, options, display)
+
+
 def final(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
-          reporter: ConsoleReporter, cache: StudyBatchCache,
+          display: ConsoleDisplay, cache: StudyBatchCache,
           ) -> tuple[FinalReport, torch.nn.Module]:
     """Train the chosen trial again once per seed and score every run on the test split;
     `cache` is the study's batch cache, shared with its workers.
     Returns the report and the model to export: the run best on validation (the earliest of
     equal ones), or the first seed's with --refit (no validation split is left to choose)."""
-    config = resources.config
-    found = recipe(study, options.number, config.training)
-    validate_precision(found, resources)
-    data = encode_splits(resources, splits, found.params.model_name, options.refit)
-    names = resources.label_names
-    data_config = config.data
-    gold_validation = resources.gold()
-    gold_test = resources.gold(build_examples(splits.test, data_config.task,
-                                              special_case=data_config.special_case))
-    plan, probes = fitted_plan(found, resources, cache, data.train.labels.shape[1],
-                               options.refit, reporter)
+    job = retraining(study, resources, splits, options, display, cache)
+    found = job.found
     runs: list[tuple[Run, Scored]] = []
     chosen: tuple[Run, Scored, torch.nn.Module] | None = None
     for index in range(options.seeds):
         seed = found.training.seed + index
         split = "training + validation" if options.refit else "training"
-        reporter.message(f"seed {index + 1} of {options.seeds} (training seed {seed}): trial "
+        display.message(f"seed {index + 1} of {options.seeds} (training seed {seed}): trial "
                          f"{found.number}'s configuration trained on the {split} split "
-                         f"({len(data.train)} examples)")
-        run, model = train_run(found, plan, resources, data, gold_validation, seed,
-                               refit=options.refit, reporter=reporter,
-                               label=f"seed {index + 1}/{options.seeds}")
-        reporter.run_finished()
-        scored = score(run, gold_validation, gold_test, names, options.tuned)
+                         f"({len(job.data.train)} examples)")
+        run, model = train_run(job, seed, f"seed {index + 1}/{options.seeds}")
+        display.run_finished()
+        scored = score(run, job.gold_validation, job.gold_test, resources.label_names,
+                       options.tuned)
         runs.append((run, scored))
-        reporter.message(_run_line(run, scored, config.study.objective))
+        display.message(_run_line(run, scored, resources.config.study.objective))
         best = None if chosen is None else chosen[0].validation
         if chosen is None or (run.validation is not None
                               and (best is None or run.validation > best)):
@@ -314,9 +336,7 @@ def final(study: optuna.Study, resources: Resources, splits: Splits, options: Op
         del model
         memory.release_memory()
     assert chosen is not None
-    report = _report(study, resources, splits, options, found, plan, probes, runs, chosen[:2],
-                     gold_test)
-    return report, chosen[2]
+    return _report(study, job, runs, chosen[:2]), chosen[2]
 
 
 def _run_line(run: Run, scored: Scored, objective: str) -> str:
@@ -331,9 +351,10 @@ def _f1(scores: metrics.Scores) -> F1:
     return F1(round(scores.macro_f1, 4), round(scores.micro_f1, 4))
 
 
-def _report(study: optuna.Study, resources: Resources, splits: Splits, options: Options,
-            found: Recipe, plan: Plan, probes: int, runs: list[tuple[Run, Scored]],
-            chosen: tuple[Run, Scored], gold_test: torch.Tensor) -> FinalReport:
+def _report(study: optuna.Study, job: Retraining, runs: list[tuple[Run, Scored]],
+            chosen: tuple[Run, Scored]) -> FinalReport:
+    resources, splits, options, found = job.resources, job.splits, job.options, job.found
+    plan, gold_test = job.plan, job.gold_test
     config, names = resources.config, resources.label_names
     objective = config.study.objective
     run, scored = chosen
@@ -353,7 +374,7 @@ def _report(study: optuna.Study, resources: Resources, splits: Splits, options: 
                 "learning_rate": found.params.learning_rate, **found.params.extras},
         training=found.training.model_dump(mode="json"),
         plan=BatchPlan(plan.physical_batch, plan.grad_accum_steps, plan.effective_batch,
-                       plan.epochs, probes),
+                       plan.epochs, job.probes),
         device=resources.device.describe(),
         refit=options.refit,
         thresholds="tuned on validation" if options.tuned and not options.refit else "0.5",

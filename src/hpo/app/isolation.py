@@ -25,13 +25,13 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import hardware
-from hpo.app.console import ConsoleReporter
+from hpo.app.console import ConsoleDisplay
+from hpo.app.preflight import Prepared
 from hpo.config import StudyConfig
-from hpo.hardware import Device
 from hpo.outcome import ChildDied, Outcome, as_told
 from hpo.search import artifacts
 from hpo.search.liveness import WORKER_PID, heartbeat
-from hpo.search.resilience import OUTAGE_SECONDS, ResilientRDBStorage
+from hpo.search.resilience import OUTAGE_SECONDS
 from hpo.search.storage import open_storage
 from hpo.search.study import make_pruner
 from hpo.space import Params, PinnedSpace, suggest
@@ -43,11 +43,11 @@ from hpo.trial.resources import load_resources
 _PR_SET_PDEATHSIG = 1
 
 
-def in_child(
-    config: StudyConfig, pinned: PinnedSpace, device: Device, url: str,
-    storage: ResilientRDBStorage,
-) -> Callable[[TrialContext], tuple[Outcome, FrozenTrial]]:
-    """A trial runner for worker.run_worker that runs every trial in a new process."""
+def in_child(site: Prepared, pinned: PinnedSpace
+             ) -> Callable[[TrialContext], tuple[Outcome, FrozenTrial]]:
+    """A trial runner for worker.run_worker that runs every trial of the worker's `site` (its
+    study file, device, storage) in a new process."""
+    config, device, url, storage = site.config, site.device, site.url, site.storage
     # spawn, not fork: the parent holds threads (heartbeat, torch's pools) and open
     # connections that a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
@@ -140,7 +140,7 @@ def _child_main(payload: dict[str, Any], trial_id: int, params: Params, parent: 
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device,
                                keeper=keeper)
     # The trial's context again, in this process: its own connection, the parent's watch.
-    context = claimed(study, storage, optuna.trial.Trial(study, trial_id), ConsoleReporter(),
+    context = claimed(study, storage, optuna.trial.Trial(study, trial_id), ConsoleDisplay(),
                       attempt)
     with memory.long_lived_frozen(), heartbeat(storage, context.live):
         outcome, told = execute(context, resources, params)

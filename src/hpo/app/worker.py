@@ -3,7 +3,7 @@ loaded; then the check, the precisions decided and the trivial baseline recorded
 which claims trials under the exact study-wide budget, gives each its `TrialContext`, keeps its
 heartbeat (`liveness`) and reaps trials whose worker went silent. How a trial ended is the
 executor's to say; the loop only counts failures in a row. What it says is worded in
-`report`."""
+`console`."""
 
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import faults, hardware
 from hpo.app import console, isolation
-from hpo.app.console import ConsoleReporter
-from hpo.config import StudyConfig
-from hpo.data.splits import Splits
+from hpo.app.console import ConsoleDisplay
+from hpo.app.preflight import Prepared
 from hpo.errors import WorkerStopped
-from hpo.hardware import Device
 from hpo.outcome import GivenBack, Outcome
 from hpo.search import artifacts, budget
 from hpo.search.liveness import heartbeat, reap
@@ -37,12 +35,26 @@ from hpo.search.study import (
 from hpo.space import PinnedSpace
 from hpo.training import memory
 from hpo.trial import records, step_check
-from hpo.trial.context import TrialContext, TrialReporter, claimed
+from hpo.trial.context import TrialContext, TrialDisplay, claimed
 from hpo.trial.executor import execute, free, give_back
 from hpo.trial.resources import Resources, load_resources
 
 # How often a worker that waits for the study's last trials looks again.
 POLL_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Orders:
+    """What a worker is asked: run trials until the study holds `n_trials` finished ones
+    (inf: no budget) or `timeout` seconds pass; run the study's check first (`run_check`)
+    unless a worker on this kind of device did; say more (`verbose`); `next_command` names
+    the study for the closing advice (`--study NAME` by default)."""
+
+    n_trials: float
+    timeout: float | None = None
+    run_check: bool = True
+    verbose: bool = False
+    next_command: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,120 +66,114 @@ class WorkerSetup:
     finished: int  # the study's finished trials when the worker joined
 
 
-def prepare_worker(config: StudyConfig, splits: Splits, device: Device, url: str,
-                   storage: ResilientRDBStorage, reporter: ConsoleReporter, *,
-                   n_trials: float, verbose: bool) -> WorkerSetup:
+def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> WorkerSetup:
     """Join the study on this device, load the data and, unless trials run in their own
     processes, the models; say what the worker joined and where the best models go."""
-    hardware.configure_backends(device)
-    study, pinned = join(config, storage, device, splits)
+    config, storage = site.config, site.storage
+    hardware.configure_backends(site.device)
+    study, pinned = join(config, storage, site.device, site.splits)
     finished = finished_count(study)
-    for line in console.study_lines(config, url, device, splits, pinned, finished, n_trials):
-        reporter.message(line)
+    for line in console.study_lines(site, pinned, finished, orders.n_trials):
+        display.message(line)
     heartbeat_note = console.heartbeat_note(config, storage.heartbeat_interval,
                                            storage.grace_period)
     if heartbeat_note:
-        reporter.message(heartbeat_note)
+        display.message(heartbeat_note)
     pruning_note = config.pruning_note()
     if pruning_note:
-        reporter.message(pruning_note)
-    keeper = (artifacts.keeper_for(config, url)
+        display.message(pruning_note)
+    keeper = (artifacts.keeper_for(config, site.url)
               if config.study.keep_best and not config.data.cv_folds else None)
-    resources = load_resources(config, pinned, device, splits, keeper)
+    resources = load_resources(config, pinned, site.device, site.splits, keeper)
     kept = console.kept_models_line(config, resources.keeper)
     if kept:
-        reporter.message(kept)
-    small = console.small_data_warning(splits)
+        display.message(kept)
+    small = console.small_data_warning(site.splits)
     if small:
-        reporter.warning(small)
-    if finished < n_trials and not config.training.isolate_trials:
+        display.warning(small)
+    if finished < orders.n_trials and not config.training.isolate_trials:
         began = time.perf_counter()
         sources = resources.preload()
-        if verbose:
-            reporter.message(console.preloaded_line(sources, time.perf_counter() - began))
+        if orders.verbose:
+            display.message(console.preloaded_line(sources, time.perf_counter() - began))
     return WorkerSetup(study, resources, finished)
 
 
-def work(
-    config: StudyConfig,
-    splits: Splits,
-    device: Device,
-    url: str,
-    storage: ResilientRDBStorage,
-    *,
-    n_trials: float,
-    timeout: float | None = None,
-    run_check: bool = True,
-    verbose: bool = False,
-    next_command: str | None = None,
-) -> None:
-    """Set the worker up and run trials until the study holds `n_trials` finished ones (or
-    `timeout` passes); raises WorkerStopped after too many failures in a row. Unless told
-    not to, the study's model x precision check runs first if no worker on this kind of
-    device has run it. `next_command` names the study for the closing advice (`--study
-    NAME` by default)."""
-    reporter = ConsoleReporter()
-    setup = prepare_worker(config, splits, device, url, storage, reporter, n_trials=n_trials,
-                           verbose=verbose)
+def work(site: Prepared, orders: Orders) -> None:
+    """Set the worker up on its `site` (the study file, data, device and storage, checked)
+    and run trials as `orders` say; raises WorkerStopped after too many failures in a
+    row."""
+    display = ConsoleDisplay()
+    config = site.config
+    setup = prepare_worker(site, display, orders)
     study, resources = setup.study, setup.resources
-    next_command = next_command or f"--study {config.study.name}"
-    if setup.finished >= n_trials:
-        reporter.message(f"study '{config.study.name}' already has {setup.finished} finished "
-                         f"trials (asked for {n_trials:g}); nothing to do")
-        reporter.best(study)
-        reporter.message(f"next: hpo final {next_command}")
+    next_command = orders.next_command or f"--study {config.study.name}"
+    if setup.finished >= orders.n_trials:
+        display.message(f"study '{config.study.name}' already has {setup.finished} finished "
+                         f"trials (asked for {orders.n_trials:g}); nothing to do")
+        display.best(study)
+        display.message(f"next: hpo final {next_command}")
         return
     with memory.long_lived_frozen():
-        pinned = decide(study, storage, resources, reporter, run_check, verbose)
+        pinned = decide(study, site.storage, resources, display, orders)
         resources = dataclasses.replace(resources, pinned=pinned)
         objective = config.study.objective
         baseline = resources.baseline().get(objective)
         study.set_user_attr("baseline", {"name": console.BASELINE, objective: baseline})
         study.set_user_attr("objective", objective)
-        run_trial = (
-            isolation.in_child(config, pinned, device, url, storage)
-            if config.training.isolate_trials else in_process(resources)
-        )
-        result = run_worker(
-            study, storage, run_trial, reporter, n_trials=n_trials, timeout=timeout,
-            max_consecutive_failures=config.study.max_consecutive_failures,
-        )
-    reporter.best(study)
-    reporter.message(console.baseline_line(objective, baseline))
+        run_trial = (isolation.in_child(site, pinned) if config.training.isolate_trials
+                     else in_process(resources))
+        result = run_worker(study, site.storage, run_trial, display,
+                            Limits(orders.n_trials, orders.timeout,
+                                   config.study.max_consecutive_failures))
+    display.best(study)
+    display.message(console.baseline_line(objective, baseline))
     below = console.below_baseline_warning(study, objective, baseline)
     if below:
-        reporter.warning(below)
-    for line in console.closing_lines(study, url, result.ran, result.finished, n_trials,
-                                     resources.keeper, next_command):
-        reporter.message(line)
+        display.warning(below)
+    for line in console.closing_lines(study, site.url, (result.ran, result.finished),
+                                     orders.n_trials, resources.keeper, next_command):
+        display.message(line)
 
 
 def decide(study: optuna.Study, storage: ResilientRDBStorage, resources: Resources,
-           reporter: ConsoleReporter, run_check: bool, verbose: bool) -> PinnedSpace:
+           display: ConsoleDisplay, orders: Orders) -> PinnedSpace:
     """The study's check (unless skipped or done) and, from its step times, the precisions
     `auto` searches; says what was decided. Returns the space the trials search."""
     config, pinned = resources.config, resources.pinned
     assert pinned.fp_precision is not None  # resolved on this device when it joined
-    verdicts = (step_check.ensure(study, resources, pinned.fp_precision, reporter) if run_check
-                else step_check.stored(study, resources.device))
-    decided = decide_precisions(study, storage, pinned, step_check.step_seconds(verdicts),
-                                config.study.precision_tolerance, step_check.step_spreads(verdicts),
-                                step_check.crowded(verdicts))
+    verdicts = (step_check.ensure(study, resources, pinned.fp_precision, display)
+                if orders.run_check else step_check.stored(study, resources.device))
+    decided = decide_precisions(study, storage, pinned, step_check.step_costs(verdicts),
+                                config.study.precision_tolerance)
     if decided.decided != pinned.decided:
-        reporter.message(console.describe_decision(decided, verbose))
+        display.message(console.describe_decision(decided, orders.verbose))
     stored_tolerance = (decided.decided or {}).get("tolerance")
     if stored_tolerance is not None and stored_tolerance != config.study.precision_tolerance:
-        reporter.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
+        display.warning(f"study.precision_tolerance {config.study.precision_tolerance:g} is "
                          f"not applied: the study decided its precisions with "
                          f"{stored_tolerance:g} (a new study decides again)")
     return decided
 
 
-class LoopReporter(TrialReporter, Protocol):
-    """What the loop says, besides what its trials say (the trial context's reporter)."""
+class LoopDisplay(TrialDisplay, Protocol):
+    """What the loop says, besides what its trials say (the trial context's display)."""
 
     def trial_finished(self, trial: FrozenTrial, outcome: Outcome) -> None: ...
     def interrupted(self, text: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """When a worker's loop ends: the study holds `n_trials` finished (COMPLETE or PRUNED)
+    trials, `timeout` seconds passed (no claim after it), or `max_consecutive_failures`
+    trials in a row failed. `poll_seconds`: how often it looks again while the last trials
+    run on other workers."""
+
+    n_trials: float
+    timeout: float | None = None
+    max_consecutive_failures: int = 3
+    poll_seconds: float = POLL_SECONDS
 
 
 @dataclass(frozen=True)
@@ -237,7 +243,7 @@ LOST_LOCK_CLAIM = ("claimed while the study lock was lost with its database conn
 
 
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: int,
-                  trial: optuna.Trial, n_trials: float, reporter: LoopReporter) -> bool:
+                  trial: optuna.Trial, n_trials: float, display: LoopDisplay) -> bool:
     """After a claim made while the study lock was lost, another worker may have claimed
     the same slot: recount under the lock and give the trial back if the budget overshoots."""
     with budget.study_lock(storage.engine, study.study_name) as connection:
@@ -245,28 +251,19 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: i
         if counts.started <= n_trials:
             return True
         give_back(study, trial, GivenBack(LOST_LOCK_CLAIM))
-    reporter.message(f"trial {trial.number} given back: the study lock was lost while it was "
+    display.message(f"trial {trial.number} given back: the study lock was lost while it was "
                      f"claimed and the budget would overshoot")
     return False
 
 
-def run_worker(
-    study: optuna.Study,
-    storage: ResilientRDBStorage,
-    run_trial: TrialRunner,
-    reporter: LoopReporter,
-    *,
-    n_trials: float,
-    timeout: float | None = None,
-    max_consecutive_failures: int = 3,
-    poll_seconds: float = POLL_SECONDS,
-) -> WorkerResult:
-    """Run trials until the study holds `n_trials` finished (COMPLETE or PRUNED) trials.
+def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: TrialRunner,
+               display: LoopDisplay, limits: Limits) -> WorkerResult:
+    """Run trials until the `limits` end the loop.
 
     While the last trials run on other workers this worker waits, reaping stale trials, and
-    takes over a slot that frees up (a failed trial, a re-queued retry). `timeout` stops it
-    from claiming new trials; `max_consecutive_failures` FAILed trials in a row stop it.
+    takes over a slot that frees up (a failed trial, a re-queued retry).
     """
+    n_trials, timeout, poll_seconds = limits.n_trials, limits.timeout, limits.poll_seconds
     started = time.monotonic()
     study_id = storage.get_study_id_from_name(study.study_name)
     reap_every = storage.get_heartbeat_interval() or poll_seconds
@@ -286,42 +283,42 @@ def run_worker(
             counts = budget.count_in_database(connection, study_id)
             pace = pace or Pace(time.monotonic(), counts.finished)
             if told:
-                reporter.message(pace.progress(counts.finished, n_trials))
+                display.message(pace.progress(counts.finished, n_trials))
                 told = False
             if counts.finished >= n_trials:
                 break
             if timeout is not None and time.monotonic() - started >= timeout:
-                reporter.message(f"timeout of {timeout:g}s reached")
+                display.message(f"timeout of {timeout:g}s reached")
                 break
             trial = _ask(study) if budget.may_claim(counts, n_trials) else None
             if trial is not None:
                 faults.kill_at("claim")
             lost = trial is not None and not budget.lock_held(connection)
         if (lost and trial is not None
-                and not _claim_stands(study, storage, study_id, trial, n_trials, reporter)):
+                and not _claim_stands(study, storage, study_id, trial, n_trials, display)):
             continue
         if trial is None:
             if not waiting_said:
-                reporter.message(f"waiting for {counts.running} running trial(s) of other "
+                display.message(f"waiting for {counts.running} running trial(s) of other "
                                  f"workers ({counts.finished}/{n_trials:g} finished)")
                 waiting_said = True
             time.sleep(poll_seconds)
             continue
         waiting_said = False
-        context = claimed(study, storage, trial, reporter)
+        context = claimed(study, storage, trial, display)
         try:
             outcome, finished = _run_claimed(context, storage, run_trial, counts.waiting)
         except KeyboardInterrupt as stop:
             # From the claim on: a trial left RUNNING would hold a budget slot until reaped.
             # `context.trial`: a run carried over to its retry copy frees the copy.
-            reporter.interrupted(free(study, context.trial, stop))
+            display.interrupted(free(study, context.trial, stop))
             raise
         ran += 1
-        reporter.trial_finished(finished, outcome)
+        display.trial_finished(finished, outcome)
         told = True
         # A dropped result was lost for want of contact, not for anything of its own.
         if not outcome.dropped:
             failures = failures + 1 if outcome.state == TrialState.FAIL else 0
-        if failures >= max_consecutive_failures:
+        if failures >= limits.max_consecutive_failures:
             raise WorkerStopped(f"{failures} trials in a row failed; last error: {outcome.error}")
     return WorkerResult(ran, finished_count(study))

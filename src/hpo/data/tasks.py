@@ -39,6 +39,12 @@ class Example:
     labels: tuple[float, ...]  # multilabel: one 0/1 per label name; nli_pairs: (1.0,) or (0.0,)
 
 
+def targets(task: str, names: Sequence[str]) -> int:
+    """The targets of one example, a classifier head's outputs: one per label name for
+    multilabel, a single yes/no for nli_pairs."""
+    return len(names) if task == "multilabel" else 1
+
+
 def build_examples(
     posts: Sequence[Post], task: str, *, special_case: bool = False
 ) -> list[Example]:

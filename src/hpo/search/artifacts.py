@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import math
-import tempfile
 import uuid
 import zipfile
 from collections.abc import Callable
@@ -127,34 +126,35 @@ def floor(study: optuna.Study, best: int) -> float:
     return values[best - 1] if len(values) >= best else -math.inf
 
 
-def keep(trial: optuna.Trial, value: float, keeper: Keeper,
-         save: Callable[[Path], None],
-         lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
-         ) -> str | None:
-    """Upload the trial's model (written by `save` into a directory) if its value ranks in
-    the study's top K, and remove the models that fall out of it. Called before the trial is
-    told, while its attributes may still be written. Returns the artifact id, or None when
-    the trial does not rank (or no longer does once the list is updated). The upload runs
-    outside the study `lock` (a large model takes a while, and other workers claim trials
-    under it); the list of kept models is updated under it, so workers finishing at once end
-    with the best K whatever their order."""
-    study = trial.study
-    finished = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    # Earlier results win ties: a later equal one would only replace it.
+def ranks(trial: optuna.Trial, value: float, keeper: Keeper) -> bool:
+    """Whether a result of `value` ranks in the study's top K now (earlier results win
+    ties: a later equal one would only replace it), so its model is worth saving."""
+    finished = trial.study.get_trials(deepcopy=False,
+                                      states=(optuna.trial.TrialState.COMPLETE,))
     better = sum(t.value is not None and t.value >= value for t in finished
                  if t.number != trial.number)
-    if better >= keeper.best:
-        return None
-    with tempfile.TemporaryDirectory(prefix="hpo-checkpoint-") as scratch:
-        model_dir = Path(scratch) / f"trial-{trial.number}"
-        save(model_dir)
-        archive = model_dir.with_suffix(".zip")
-        # Stored, not deflated: weights hardly compress, and the trial is still running.
-        with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as bundle:
-            for path in sorted(model_dir.rglob("*")):
-                bundle.write(path, path.relative_to(model_dir))
-        artifact_id = optuna.artifacts.upload_artifact(
-            artifact_store=keeper.store, file_path=str(archive), study_or_trial=trial)
+    return better < keeper.best
+
+
+def keep(trial: optuna.Trial, value: float, keeper: Keeper, model_dir: Path,
+         lock: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+         ) -> str | None:
+    """Upload the trial's model, saved in `model_dir`, and remove the models that fall out
+    of the study's top K (the caller saves it only where it `ranks`). Called before the trial
+    is told, while its attributes may still be written. Returns the artifact id, or None
+    when the trial no longer ranks once the list is updated. The upload runs outside the
+    study `lock` (a large model takes a while, and other workers claim trials under it); the
+    list of kept models is updated under it, so workers finishing at once end with the best
+    K whatever their order."""
+    study = trial.study
+    archive = model_dir.with_suffix(".zip")
+    # Stored, not deflated: weights hardly compress, and the trial is still running.
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as bundle:
+        for path in sorted(model_dir.rglob("*")):
+            bundle.write(path, path.relative_to(model_dir))
+    artifact_id = optuna.artifacts.upload_artifact(
+        artifact_store=keeper.store, file_path=str(archive), study_or_trial=trial)
+    archive.unlink()
     with lock():
         models = kept(study)
         models[trial.number] = {"artifact_id": artifact_id, "value": value}

@@ -17,16 +17,13 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TypeVar
 
 import optuna
 from optuna.trial import TrialState
 
-from hpo.outcome import Reaped
 from hpo.search import budget
 from hpo.search.resilience import ResilientRDBStorage, single_attempt
 
-T = TypeVar("T")
 Lock = Callable[[], AbstractContextManager[object]]
 
 
@@ -190,23 +187,3 @@ def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | No
         storage.set_trial_user_attr(claimed._trial_id, key, value)
     live.trial = optuna.trial.Trial(study, claimed._trial_id)
     return number
-
-
-def write_carried(live: LiveTrial, write: Callable[[optuna.Trial], T],
-               lock: Lock = contextlib.nullcontext) -> T:
-    """Run `write` on the live trial; if the trial was reaped while it ran, carry it over to
-    its waiting copy (under the study `lock`) and write there, else raise Reaped. The copy
-    can be reaped in turn (a long outage again): a few times over."""
-    number = live.trial.number  # the trial that was reaped, if this one is
-    for _ in range(3):
-        trial = live.trial
-        try:
-            return write(trial)
-        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
-            # ValueError: study.tell's "Cannot tell a FAIL trial"; the state says which.
-            if not trial.storage.get_trial(trial._trial_id).state.is_finished():
-                raise
-        if carry_over(live, lock) is None:
-            break
-    raise Reaped(f"trial {number} was reaped while it ran (its heartbeats were lost) and its "
-                 f"retry was already claimed by another worker: this run's result is dropped")

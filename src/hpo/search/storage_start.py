@@ -70,7 +70,7 @@ class StartWait:
         if self.noted or self.seconds <= QUIET_WAIT:
             return
         self.noted = True
-        # Printed, not logged: the storage layer sits below hpo's reporter, and a command's
+        # Printed, not logged: the storage layer sits below hpo's display, and a command's
         # warnings all read "hpo: warning: ..." on stderr.
         setting = " (HPO_STORAGE_WAIT sets how long)" if self.from_environment else ""
         print(f"hpo: warning: storage {self.safe} unreachable ({_reason(detail)}); retrying "

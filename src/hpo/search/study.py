@@ -19,7 +19,7 @@ from hpo.hardware import Device
 from hpo.search import budget, release
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.storage import retry_callback
-from hpo.space import PIN_ATTR, PinnedSpace, by_cost, pin
+from hpo.space import PIN_ATTR, PinnedSpace, StepCosts, by_cost, pin
 
 
 def make_sampler(config: StudyConfig) -> optuna.samplers.BaseSampler:
@@ -267,17 +267,12 @@ def pin_liveness(study: optuna.Study, storage: ResilientRDBStorage,
 
 
 def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned: PinnedSpace,
-                      seconds: dict[str, dict[str, float]] | None,
-                      tolerance: float,
-                      spreads: dict[str, dict[str, float]] | None = None,
-                      crowded: frozenset[str] = frozenset()) -> PinnedSpace:
+                      costs: StepCosts | None, tolerance: float) -> PinnedSpace:
     """For `fp_precision: auto`, the precisions the study searches, decided once for the
     whole fleet, before any trial samples one (Optuna's categorical choices cannot change
-    later): those `space.by_cost` keeps from the check's measured `seconds` per step (per
-    model and precision; `spreads`, how much their repeats strayed, says when the decision
-    is unsettled; `crowded` precisions the check could not judge beside other processes are
-    kept), or, with no measurement, every native one. Under the study lock:
-    the first worker to decide decides for all; the others read its decision."""
+    later): those `space.by_cost` keeps from the check's measured step `costs`, or, with no
+    measurement, every native one. Under the study lock: the first worker to decide decides
+    for all; the others read its decision."""
     if pinned.declared.get("fp_precision") != "auto" or pinned.decided is not None:
         return pinned
     with budget.study_lock(storage.engine, study.study_name):
@@ -285,13 +280,14 @@ def decide_precisions(study: optuna.Study, storage: ResilientRDBStorage, pinned:
         if stored.decided is not None or stored.fp_precision is None:
             return stored
         sampled = any("fp_precision" in t.params for t in study.get_trials(deepcopy=False))
-        if sampled or not seconds:
+        if sampled or costs is None or not costs.seconds:
             why = ("trials already sampled a precision" if sampled
                    else "no step was measured (the check was skipped)")
             decided = PinnedSpace(stored.declared, stored.fp_precision,
                                   {"by": "native", "why": why})
         else:
-            choice = by_cost(seconds, stored.fp_precision, tolerance, spreads, crowded)
+            choice = by_cost(costs.seconds, stored.fp_precision, tolerance, costs.spreads,
+                             costs.crowded)
             decided = PinnedSpace(stored.declared, choice.kept,
                                   {"by": "cost", "tolerance": tolerance,
                                    "dropped": choice.dropped,

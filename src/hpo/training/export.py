@@ -43,8 +43,7 @@ def validate_output(directory: Path) -> None:
                           f"({exc.strerror or exc})") from None
 
 
-def write(directory: Path, model: torch.nn.Module, report: FinalReport,
-          label_names: tuple[str, ...]) -> None:
+def write(directory: Path, model: torch.nn.Module, report: FinalReport) -> None:
     """The final model with its report and model card, written beside `directory` and then
     put in its place: an earlier export is replaced whole, never mixed with this one. A
     failure or an interrupt on the way leaves neither the partial copy nor a directory
@@ -54,7 +53,7 @@ def write(directory: Path, model: torch.nn.Module, report: FinalReport,
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-        save_model(partial, model, report.model_name, label_names, task=report.data.task,
+        save_model(partial, model, report.model_name, task=report.data.task,
                    max_length=report.data.max_length, thresholds=report.exported.thresholds)
         (partial / REPORT).write_text(json.dumps(report.to_json(), indent=2) + "\n")
         model_card(report).save(partial / CARD)
@@ -79,13 +78,14 @@ def modes_like(directory: Path, like: Path) -> None:
             path.chmod(mode)
 
 
-def save_model(directory: Path, model: torch.nn.Module, model_name: str,
-               label_names: tuple[str, ...], *, task: str, max_length: int,
-               thresholds: dict[str, float]) -> None:
-    """Save the model (float32 weights, safetensors) with the symptom names as its labels and
-    its thresholds in its config, and its tokenizer cutting at the study's max_length (so a
-    pipeline with truncation=True reads what the model was trained on). A model with
-    adapters is saved merged, as a plain transformers model; it is consumed."""
+def save_model(directory: Path, model: torch.nn.Module, model_name: str, *, task: str,
+               max_length: int, thresholds: dict[str, float]) -> None:
+    """Save the model (float32 weights, safetensors) with the symptom names (`thresholds`'
+    keys, in label order) as its labels and its thresholds in its config, and its tokenizer
+    cutting at the study's max_length (so a pipeline with truncation=True reads what the
+    model was trained on). A model with adapters is saved merged, as a plain transformers
+    model; it is consumed."""
+    label_names = tuple(thresholds)
     model = adapters.merged(model)
     config = config_of(model)
     if task == "multilabel":

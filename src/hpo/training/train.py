@@ -51,6 +51,8 @@ class Plan:
     # Training ends after this many evaluations, its schedule with it (hpo final's refit to
     # the evaluation a trial's value came from); None: after every epoch's.
     stop_after: int | None = None
+    # The loss's positive weight per label (`training.pos_weight`): balanced, or none.
+    pos_weight: str = "none"
 
     @property
     def grad_accum_steps(self) -> int:
@@ -284,28 +286,43 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
 
 
-def probe_step(
-    model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int, vocab: int,
-    optimizer: torch.optim.Optimizer | None = None, scaler: torch.amp.GradScaler | None = None,
-) -> float:
+@dataclass(frozen=True)
+class Stepper:
+    """The optimizer and the gradient scaler (enabled for fp16 only) a model's steps share."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+
+    @classmethod
+    def fresh(cls, model: torch.nn.Module, plan: Plan, device: Device) -> Stepper:
+        return cls(make_optimizer(model, plan, device),
+                   torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16"))
+
+    def step(self, model: torch.nn.Module, max_grad_norm: float) -> None:
+        optimizer_step(model, self.optimizer, self.scaler, max_grad_norm)
+
+
+def probe_step(model: torch.nn.Module, plan: Plan, device: Device, batch: int, length: int,
+               stepper: Stepper | None = None) -> float:
     """One full training step (forward, backward, optimizer step) on `batch` sequences of
-    `length` tokens: the memory a real step of that size needs, optimizer state included.
-    A fresh optimizer and scaler unless given. Returns the step's loss."""
-    optimizer = optimizer or make_optimizer(model, plan, device)
-    scaler = scaler or torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    `length` tokens drawn from the model's vocabulary: the memory a real step of that size
+    needs, optimizer state included. A fresh optimizer and scaler unless `stepper` holds
+    them. Returns the step's loss."""
+    stepper = stepper or Stepper.fresh(model, plan, device)
     generator = torch.Generator().manual_seed(0)
-    labels = config_of(model).num_labels
+    config = config_of(model)
+    labels = config.num_labels
     assert labels is not None  # a classifier's config has its labels
     inputs = {
-        "input_ids": torch.randint(0, vocab, (batch, length), generator=generator),
+        "input_ids": torch.randint(0, config.vocab_size, (batch, length), generator=generator),
         "attention_mask": torch.ones((batch, length), dtype=torch.long),
         "labels": torch.zeros((batch, labels)),
     }
     inputs = {k: v.to(device.torch_device) for k, v in inputs.items()}
     with autocast(device, plan.precision):
         loss = micro_batch_loss(model, inputs, batch)
-    scaler.scale(loss).backward()
-    optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
+    stepper.scaler.scale(loss).backward()
+    stepper.step(model, plan.max_grad_norm)
     _synchronize(device)
     return float(loss.detach())
 
@@ -329,31 +346,35 @@ def _loader(data: Encoded, pad_id: int, device: Device,
     )
 
 
-def train(
-    model: torch.nn.Module,
-    train_data: Encoded,
-    plan: Plan,
-    device: Device,
-    *,
-    pad_id: int,
-    evaluate: Callable[[torch.nn.Module], float],
-    on_evaluation: Callable[[int, float], None],
-    on_step: Callable[[Progress], None] = lambda _: None,
-    pos_weight: torch.Tensor | None = None,
-) -> Progress:
-    """Train for `plan.epochs` (or up to its `stop_after`-th evaluation); at each evaluation
-    point (`evaluation_points`) `evaluate` scores the model and `on_evaluation` hears its
-    1-based index and the score (and may raise optuna.TrialPruned to stop)."""
+def _ignored(*_: object) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a training run calls out to: `evaluate` scores the model at each evaluation
+    point (`evaluation_points`), `on_evaluation` hears its 1-based index and the score (and
+    may raise optuna.TrialPruned to stop), `on_step` hears the progress after each step."""
+
+    evaluate: Callable[[torch.nn.Module], float]
+    on_evaluation: Callable[[int, float], None] = _ignored
+    on_step: Callable[[Progress], None] = _ignored
+
+
+def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Device, *,
+          pad_id: int, hooks: Hooks) -> Progress:
+    """Train for `plan.epochs` (or up to its `stop_after`-th evaluation), evaluating and
+    reporting through `hooks`."""
     torch.manual_seed(plan.seed)
-    optimizer = make_optimizer(model, plan, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=plan.precision == "fp16")
+    stepper = Stepper.fresh(model, plan, device)
+    scaler = stepper.scaler
     lengths = train_data.lengths
     steps_per_epoch = _steps_per_epoch(len(lengths), plan)
     points = evaluation_points(steps_per_epoch, plan.evaluations_per_epoch)
     last, into = divmod(plan.evaluations - 1, plan.evaluations_per_epoch)
     total_steps = steps_per_epoch * last + points[into]
     scheduler = get_linear_schedule_with_warmup(
-        optimizer, round(plan.warmup_ratio * total_steps), total_steps
+        stepper.optimizer, round(plan.warmup_ratio * total_steps), total_steps
     )
     sampler = PlannedBatches()
     loader = _loader(train_data, pad_id, device, sampler)
@@ -361,6 +382,7 @@ def train(
                         peak_flops=peak_flops(device, plan.precision))
     flops = model_flops(model)
     non_blocking = device.type == "cuda"
+    pos_weight = loss_pos_weight(plan.pos_weight, train_data.labels)
     if pos_weight is not None:
         pos_weight = pos_weight.to(device.torch_device)
     optimizer_steps = evaluations = 0
@@ -388,22 +410,22 @@ def train(
             _check_finite(float(running), epoch, progress.step + 1)  # the step's one sync
             optimizer_steps += 1
             faults.before_optimizer_step(optimizer_steps)
-            optimizer_step(model, optimizer, scaler, plan.max_grad_norm)
+            stepper.step(model, plan.max_grad_norm)
             scheduler.step()
             progress.step += 1
             progress.samples += plan.effective_batch
             progress.step_seconds += time.perf_counter() - started
             started = time.perf_counter()
-            on_step(progress)
+            hooks.on_step(progress)
             due = points.count(progress.step)
             if not due:
                 continue
-            score = _evaluate(model, evaluate, progress, scaler)
+            score = _evaluate(model, hooks.evaluate, progress, scaler)
             for repeat in range(min(due, plan.evaluations - evaluations)):
                 evaluations += 1
                 if repeat:  # one evaluation serving two points: the second took no time
                     progress.epoch_seconds.append(0.0)
-                on_evaluation(evaluations, score)
+                hooks.on_evaluation(evaluations, score)
             if evaluations == plan.evaluations:
                 return progress
             started = time.perf_counter()

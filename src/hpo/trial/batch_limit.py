@@ -28,7 +28,6 @@ from hpo.search.resilience import ResilientRDBStorage
 from hpo.space import Params
 from hpo.training import adapters, memory
 from hpo.training.memory import MemoryProbe, fits
-from hpo.training.models import config_of
 from hpo.training.train import Plan, prepare, probe_step
 from hpo.trial.resources import Resources
 
@@ -225,27 +224,49 @@ def cache_key(params: Params, training: TrainingConfig, max_length: int, device:
             f"{adapters.cache_suffix(training, params.fp_precision)}")
 
 
-def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: int,
-              resources: Resources, cache: StudyBatchCache, watch: Watch = unwatched,
-              *, shared: int = 0) -> tuple[Plan, str, int]:
-    """`base` with the physical and evaluation batches that fit this device: the study's
-    cached limit for the model and precision, searched (probes > 0) where there is none.
-    On a device other processes hold `shared` bytes of, what fits changes with what they
-    hold: the search starts from what is known to fail, sizes for what is left, and its
-    result stays with this trial. Returns the plan, the cache key and the number of probes."""
+def unfitted_plan(params: Params, training: TrainingConfig) -> Plan:
+    """The plan of a configuration, its batches not yet fitted to the device."""
+    return Plan(
+        precision=params.fp_precision,
+        effective_batch=params.target_effective_batch_size,
+        physical_batch=1,
+        eval_batch=1,
+        learning_rate=params.learning_rate,
+        weight_decay=training.weight_decay,
+        warmup_ratio=training.warmup_ratio,
+        max_grad_norm=training.max_grad_norm,
+        epochs=training.epochs,
+        seed=training.seed,
+        evaluations_per_epoch=training.evaluations_per_epoch,
+        gradient_checkpointing=training.gradient_checkpointing,
+        compile=training.compile,
+        pos_weight=training.pos_weight,
+    )
+
+
+def fit_batch(params: Params, training: TrainingConfig, resources: Resources,
+              cache: StudyBatchCache, *, watch: Watch = unwatched, shared: int = 0
+              ) -> tuple[Plan, str, int]:
+    """The plan of a configuration (`unfitted_plan`) with the physical and evaluation batches
+    that fit this device: the study's cached limit for the model and precision, searched
+    (probes > 0) where there is none. On a device other processes hold `shared` bytes of,
+    what fits changes with what they hold: the search starts from what is known to fail,
+    sizes for what is left, and its result stays with this trial. Returns the plan, the
+    cache key and the number of probes."""
     config, device = resources.config, resources.device
+    base = unfitted_plan(params, training)
     tokenizer = resources.models.tokenizer(params.model_name)
     key = cache_key(params, training, config.data.max_length, device)
     bound = min(params.target_effective_batch_size, training.max_physical_batch_size)
-    build = functools.partial(adapters.build, resources.models, params.model_name, num_labels,
-                              training, params.fp_precision)
-    probe_length = min(config.data.max_length, tokenizer.model_max_length)
+    build = functools.partial(adapters.build, resources.models, params.model_name,
+                              resources.num_labels, training, params.fp_precision)
+    probe = _Probe(build, base, device, key,
+                   min(config.data.max_length, tokenizer.model_max_length), watch)
     # A GPU others use is searched no further than the trial needs: its result stays with
     # the trial, and a probe of the whole bound could take the memory a neighbour is using.
     searched_to = bound if shared else search_bound(
         device, params.target_effective_batch_size, training.max_physical_batch_size)
-    limit, probes = _find_batch(build, base, device, key, searched_to, cache, probe_length,
-                                watch, shared)
+    limit, probes = _find_batch(probe, searched_to, cache, shared)
     physical = physical_batch(limit, bound, training.safety_margin)
     plan = replace(
         base, physical_batch=physical, eval_batch=eval_batch(limit, physical, bound)
@@ -253,29 +274,39 @@ def fit_batch(base: Plan, params: Params, training: TrainingConfig, num_labels: 
     return plan, key, probes
 
 
-def _find_batch(
-    build: Callable[[], torch.nn.Module], plan: Plan, device: Device, key: str, bound: int,
-    cache: StudyBatchCache, length: int, watch: Watch, shared: int = 0,
-) -> tuple[BatchLimit, int]:
-    known = cache.get(key)
+@dataclass
+class _Probe:
+    """One probe of the batch search: a training step of `length`-token sequences at a
+    micro-batch, on the model `build` makes at the first probe and every later one reuses."""
+
+    build: Callable[[], torch.nn.Module]
+    plan: Plan
+    device: Device
+    key: str
+    length: int
+    watch: Watch
+    model: torch.nn.Module | None = None
+
+    def __call__(self, batch: int) -> None:
+        self.watch(self.key, batch)
+        if self.model is None:
+            self.model = prepare(self.build(), self.plan, self.device)
+        self.model.zero_grad(set_to_none=True)
+        probe_step(self.model, self.plan, self.device, batch, self.length)
+
+
+def _find_batch(probe: _Probe, bound: int, cache: StudyBatchCache, shared: int
+                ) -> tuple[BatchLimit, int]:
+    known = cache.get(probe.key)
     if shared:
         known = BatchLimit(0, known.smallest_fail)
-    holder: dict[str, torch.nn.Module] = {}
-
-    def step(batch: int) -> None:
-        watch(key, batch)
-        if "model" not in holder:
-            holder["model"] = prepare(build(), plan, device)
-        model = holder["model"]
-        model.zero_grad(set_to_none=True)
-        probe_step(model, plan, device, batch, length, config_of(model).vocab_size)
-
-    result = search(step, bound, known, memory.device_memory_probe(device, shared))
-    holder.clear()
+    result = search(probe, bound, known, memory.device_memory_probe(probe.device, shared))
+    probe.model = None
     memory.release_memory()
-    limit = cache.update(key, result.limit) if result.probes and not shared else result.limit
+    limit = (cache.update(probe.key, result.limit) if result.probes and not shared
+             else result.limit)
     if limit.largest_ok == 0:
-        raise torch.OutOfMemoryError(f"out of memory even at micro-batch 1 ({key})")
+        raise torch.OutOfMemoryError(f"out of memory even at micro-batch 1 ({probe.key})")
     return limit, result.probes
 
 @dataclass(frozen=True)

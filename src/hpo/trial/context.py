@@ -1,5 +1,5 @@
 """The context one trial runs in: the study, the live trial, the study's batch cache and
-lock, the watch and the reporter, as one object. A worker makes it where it claims the trial
+lock, the watch and the display, as one object. A worker makes it where it claims the trial
 (an isolated child makes its own for the same trial) and passes it down: the executor, the
 planning, the drivers and the records take it, and nothing below them needs more."""
 
@@ -11,7 +11,8 @@ from typing import Protocol, TypeVar
 
 import optuna
 
-from hpo.search.liveness import LiveTrial, Lock, write_carried
+from hpo.outcome import Reaped
+from hpo.search.liveness import LiveTrial, Lock, carry_over
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.space import Params
 from hpo.training.train import Plan, Progress
@@ -19,7 +20,7 @@ from hpo.trial.batch_limit import StudyBatchCache, Watch, shared_batch_cache, un
 
 T = TypeVar("T")
 
-class TrialReporter(Protocol):
+class TrialDisplay(Protocol):
     """What a trial says while it runs."""
 
     def trial_started(self, number: int, params: Params, plan: Plan, probes: int) -> None: ...
@@ -34,7 +35,7 @@ class TrialContext:
     study: optuna.Study
     live: LiveTrial
     cache: StudyBatchCache
-    reporter: TrialReporter
+    display: TrialDisplay
     watch: Watch = unwatched
 
     @property
@@ -49,13 +50,29 @@ class TrialContext:
         return self.cache.lock
 
     def write(self, write: Callable[[optuna.Trial], T]) -> T:
-        """`write` on the live trial, followed to its retry copy if it was reaped meanwhile
-        (`liveness.write_carried`)."""
-        return write_carried(self.live, write, self.lock)
+        """Run `write` on the live trial; if the trial was reaped while it ran, carry it over
+        to its waiting copy (`liveness.carry_over`, under the study lock) and write there,
+        else raise Reaped. The copy can be reaped in turn (a long outage again): a few times
+        over."""
+        live = self.live
+        number = live.trial.number  # the trial that was reaped, if this one is
+        for _ in range(3):
+            trial = live.trial
+            try:
+                return write(trial)
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+                # ValueError: study.tell's "Cannot tell a FAIL trial"; the state says which.
+                if not trial.storage.get_trial(trial._trial_id).state.is_finished():
+                    raise
+            if carry_over(live, self.lock) is None:
+                break
+        raise Reaped(f"trial {number} was reaped while it ran (its heartbeats were lost) and "
+                     f"its retry was already claimed by another worker: this run's result is "
+                     f"dropped")
 
 
 def claimed(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
-            reporter: TrialReporter, watch: Watch = unwatched) -> TrialContext:
+            display: TrialDisplay, watch: Watch = unwatched) -> TrialContext:
     """The context of a trial just claimed from `study`, whose workers share `storage`."""
-    return TrialContext(study, LiveTrial(trial), shared_batch_cache(study, storage), reporter,
+    return TrialContext(study, LiveTrial(trial), shared_batch_cache(study, storage), display,
                         watch)

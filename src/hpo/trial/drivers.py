@@ -7,8 +7,8 @@ built, prepared for the device, trained, scored on the validation split after ea
 (`scorer`) and, where asked, put back to the weights of the epoch the study's rule chooses
 (`BestEpoch`).
 
-A driver writes to the trial through its context (`TrialContext.write`): a trial reaped
-while it ran goes on as its retry copy.
+A driver takes the trial's run (`TrialRun`) and writes to the trial through its context
+(`TrialContext.write`): a trial reaped while it ran goes on as its retry copy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import optuna
@@ -28,22 +28,10 @@ from hpo.data.batching import Encoded
 from hpo.search import artifacts
 from hpo.training import adapters, memory, metrics
 from hpo.training.models import ModelStore
-from hpo.training.train import Plan, Progress, as_epochs, loss_pos_weight, predict, prepare, train
+from hpo.training.train import Hooks, Plan, Progress, as_epochs, predict, prepare, train
 from hpo.trial import records
-from hpo.trial.context import TrialContext
-from hpo.trial.planning import PlannedTrial
 from hpo.trial.resources import Resources
-
-
-@dataclass(frozen=True)
-class Trained:
-    """What a driver trained: the trial's value and, for a single model, the model holding
-    the weights of `epoch` (1-based, `as_epochs`): the value's evaluation where `BestEpoch`
-    kept it, else the last."""
-
-    value: float
-    model: torch.nn.Module | None = None
-    epoch: float = 0  # in epochs: 1.5 is the middle of the second under evaluations_per_epoch
+from hpo.trial.run import Trained, TrialRun
 
 
 def scorer(resources: Resources, plan: Plan, data: Encoded, gold: torch.Tensor, pad_id: int,
@@ -144,9 +132,8 @@ def fit(job: FitJob, resources: Resources, listener: Listener
             best.after_evaluation(index, [s.get(study.objective) for s in job.scores])
         listener.evaluated(index, score)
 
-    train(model, job.data, plan, resources.device, pad_id=job.pad_id, evaluate=job.evaluate,
-          on_evaluation=evaluated, on_step=listener.stepped,
-          pos_weight=loss_pos_weight(job.training.pos_weight, job.data.labels))
+    train(model, job.data, plan, resources.device, pad_id=job.pad_id,
+          hooks=Hooks(job.evaluate, evaluated, listener.stepped))
     del model
     if best is None:
         return base, plan.evaluations
@@ -163,32 +150,29 @@ class _TrialListener:
     applied to the epochs so far, so it compares what the trial's value would be) and shown,
     the model's records written once it is built, the last progress kept for the records."""
 
-    context: TrialContext
-    plan: Plan
-    device_type: str
-    scores: list[metrics.Scores]
-    objective: str
-    rule: str
+    run: TrialRun
+    scores: list[metrics.Scores] = field(default_factory=list)
     prepared: torch.nn.Module | None = None  # for the compiler's failure, once built
     progress: Progress | None = None
     warned: str | None = None
 
     def value(self) -> float:
-        values = [s.get(self.objective) for s in self.scores]
-        return values[metrics.chosen_epoch(values, self.rule)]
+        study = self.run.config.study
+        values = [s.get(study.objective) for s in self.scores]
+        return values[metrics.chosen_epoch(values, study.objective_epoch)]
 
     def built(self, base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
         # Recorded first: a trial reaped while it was built fails here, before any record of
         # its progress would carry it over to a retry copy it then leaves unfinished.
-        records.record_model(self.context.trial, base, self.device_type, seconds)
+        run = self.run
+        records.record_model(run.trial, base, run.resources.device.type, seconds)
         self.prepared = model
-        self.warned = records.warn_eager(self.context.trial.number, model,
-                                         self.context.reporter, None)
+        self.warned = records.warn_eager(run.trial.number, model, run.context.display, None)
 
     def evaluated(self, index: int, score: float) -> None:
-        context, plan = self.context, self.plan
+        context, plan = self.run.context, self.run.plan
         epoch = as_epochs(index, plan.evaluations_per_epoch)
-        context.reporter.epoch(context.trial.number, epoch, plan.epochs, score)
+        context.display.epoch(context.trial.number, epoch, plan.epochs, score)
         value = self.value()
         context.write(lambda trial: trial.report(value, index))
         # After the last evaluation the compute is spent: the result is kept, not pruned.
@@ -197,42 +181,39 @@ class _TrialListener:
 
     def stepped(self, progress: Progress) -> None:
         self.progress = progress
-        self.context.reporter.step(self.context.trial.number, progress, self.plan.epochs)
+        self.run.context.display.step(self.run.trial.number, progress, self.run.plan.epochs)
 
     def finished(self) -> None:
         """The records of the training's end, once the model was built: also after a
         pruning or a failure."""
         if self.prepared is None:
             return
-        prepared, progress, scores = self.prepared, self.progress, self.scores
-        records.warn_eager(self.context.trial.number, prepared, self.context.reporter,
-                           self.warned)
-        self.context.write(lambda trial: records.record_progress(
-            trial, progress, scores, self.objective, self.rule, prepared,
-            per_epoch=self.plan.evaluations_per_epoch))
+        run, prepared, progress, scores = self.run, self.prepared, self.progress, self.scores
+        records.warn_eager(run.trial.number, prepared, run.context.display, self.warned)
+        run.context.write(lambda trial: records.record_progress(
+            trial, progress, scores, run.config.study, prepared,
+            per_epoch=run.plan.evaluations_per_epoch))
 
 
-def train_trial(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
+def train_trial(run: TrialRun) -> Trained:
     """Train the planned trial, reporting each epoch's value for pruning; its value is the
     best or the last epoch's score (`study.objective_epoch`). Where the study keeps its best
     models, the model returned holds the value epoch's weights."""
-    plan, study = planned.plan, resources.config.study
-    scores: list[metrics.Scores] = []
+    planned, resources = run.planned, run.resources
+    heard = _TrialListener(run)
     # Read once: the bar only rises as other trials finish, so a stale one copies more
     # weights than needed, never fewer.
-    floor = (artifacts.floor(context.study, resources.keeper.best)
+    floor = (artifacts.floor(run.context.study, resources.keeper.best)
              if resources.keeper is not None else None)
-    job = FitJob(resources.models, planned.params.model_name, planned.training, plan,
+    job = FitJob(resources.models, run.model_name, planned.training, run.plan,
                  planned.train_data, planned.pad_id,
-                 scorer(resources, plan, planned.validation_data, resources.gold(),
-                        planned.pad_id, scores), scores, snapshot=floor)
-    heard = _TrialListener(context, plan, resources.device.type, scores, study.objective,
-                           study.objective_epoch)
+                 scorer(resources, run.plan, planned.validation_data, resources.gold(),
+                        planned.pad_id, heard.scores), heard.scores, snapshot=floor)
     try:
         model, epoch = fit(job, resources, heard)
     finally:
         heard.finished()
-    return Trained(heard.value(), model, as_epochs(epoch, plan.evaluations_per_epoch))
+    return Trained(heard.value(), model, as_epochs(epoch, run.plan.evaluations_per_epoch))
 
 
 def _report(trial: optuna.Trial, value: float, step: int) -> None:
@@ -243,70 +224,68 @@ def _report(trial: optuna.Trial, value: float, step: int) -> None:
 class _FoldsListener:
     """A cross-validated trial's folds heard: each fold's epochs and steps shown, the first
     fold's model recorded (every fold builds the same), each fold's prepared model held until
-    the fold ends, the last progress kept for the records."""
+    the fold ends; what the folds so far scored, for the pruner and the records."""
 
-    context: TrialContext
-    plan: Plan
-    device_type: str
+    run: TrialRun
+    folds: records.FoldsSoFar = field(default_factory=records.FoldsSoFar)
     fold: int = 0
     prepared: torch.nn.Module | None = None
-    progress: Progress | None = None
 
     def built(self, base: torch.nn.Module, model: torch.nn.Module, seconds: float) -> None:
         if self.fold == 1:
-            records.record_model(self.context.trial, base, self.device_type, seconds)
+            records.record_model(self.run.trial, base, self.run.resources.device.type, seconds)
         self.prepared = model
 
     def evaluated(self, index: int, score: float) -> None:
-        self.context.reporter.epoch(self.context.trial.number, index, self.plan.epochs, score)
+        self.run.context.display.epoch(self.run.trial.number, index, self.run.plan.epochs,
+                                        score)
 
     def stepped(self, progress: Progress) -> None:
-        self.progress = progress
-        self.context.reporter.step(self.context.trial.number, progress, self.plan.epochs)
+        self.folds.progress = progress
+        self.run.context.display.step(self.run.trial.number, progress, self.run.plan.epochs)
+
+    def fold_ended(self, scores: list[metrics.Scores]) -> float:
+        """The fold's model let go and its score and speed kept; returns the mean so far."""
+        folds, study = self.folds, self.run.config.study
+        assert self.prepared is not None  # fit tells the listener what it built
+        folds.compile_failure = folds.compile_failure or records.warn_eager(
+            self.run.trial.number, self.prepared, self.run.context.display,
+            folds.compile_failure)
+        folds.seconds += folds.progress.train_seconds if folds.progress is not None else 0.0
+        self.prepared = None  # the fold's model, let go before the next is built
+        memory.release_memory()
+        values = [s.get(study.objective) for s in scores]
+        folds.value_epochs.append(metrics.chosen_epoch(values, study.objective_epoch) + 1)
+        folds.scores.append(values[folds.value_epochs[-1] - 1])
+        return folds.mean
 
 
-def train_folds(context: TrialContext, planned: PlannedTrial, resources: Resources) -> Trained:
+def train_folds(run: TrialRun) -> Trained:
     """Train the planned trial once per fold of `data.cv_folds` (one batch search for all,
     done in planning); its value is the mean of the folds' scores, each its best or last
     epoch's (`study.objective_epoch`). The mean so far is reported after each fold, so the
     pruner can stop a poor configuration after its first folds. No model is returned: none
     of the folds' is the trial's."""
-    plan, reporter = planned.plan, context.reporter
-    objective = resources.config.study.objective
-    rule = resources.config.study.objective_epoch
-    k = resources.config.data.cv_folds
+    planned, resources, context = run.planned, run.resources, run.context
+    k = run.config.data.cv_folds
     assert k is not None  # the executor runs this driver only with folds
-    fold_scores: list[float] = []
-    fold_epochs: list[int] = []
-    seconds = 0.0
-    compile_failure: str | None = None
-    heard = _FoldsListener(context, plan, resources.device.type)
+    heard = _FoldsListener(run)
     try:
-        for index, fold in enumerate(resources.folds(planned.params.model_name), 1):
+        for index, fold in enumerate(resources.folds(run.model_name), 1):
             scores: list[metrics.Scores] = []
             heard.fold = index
-            fit(FitJob(resources.models, planned.params.model_name, planned.training, plan,
+            fit(FitJob(resources.models, run.model_name, planned.training, run.plan,
                        fold.train, planned.pad_id,
-                       scorer(resources, plan, fold.validation, fold.gold, planned.pad_id,
+                       scorer(resources, run.plan, fold.validation, fold.gold, planned.pad_id,
                               scores), scores), resources, heard)
-            assert heard.prepared is not None  # fit tells the listener what it built
-            compile_failure = compile_failure or records.warn_eager(
-                context.trial.number, heard.prepared, reporter, compile_failure)
-            seconds += heard.progress.train_seconds if heard.progress is not None else 0.0
-            heard.prepared = None  # the fold's model, let go before the next is built
-            memory.release_memory()
-            values = [s.get(objective) for s in scores]
-            fold_epochs.append(metrics.chosen_epoch(values, rule) + 1)
-            fold_scores.append(values[fold_epochs[-1] - 1])
-            mean = sum(fold_scores) / len(fold_scores)
-            reporter.message(f"  trial {context.trial.number} fold {index}/{k}: score "
-                             f"{fold_scores[-1]:.4f} (mean so far {mean:.4f})")
+            mean = heard.fold_ended(scores)
+            context.display.message(f"  trial {run.trial.number} fold {index}/{k}: score "
+                                     f"{heard.folds.scores[-1]:.4f} (mean so far {mean:.4f})")
             context.write(functools.partial(_report, value=mean, step=index))
             # After the last fold the compute is spent: the result is kept, not pruned.
             if index < k and context.trial.should_prune():
                 raise optuna.TrialPruned(f"pruned after fold {index}")
     finally:
-        progress = heard.progress
-        context.write(lambda trial: records.record_folds(
-            trial, fold_scores, fold_epochs, seconds, progress, compile_failure, plan.compile))
-    return Trained(sum(fold_scores) / len(fold_scores))
+        folds = heard.folds
+        context.write(lambda trial: records.record_folds(trial, folds, run.plan.compile))
+    return Trained(heard.folds.mean)

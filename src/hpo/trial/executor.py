@@ -25,9 +25,10 @@ from hpo.training import memory
 from hpo.training.train import NonFiniteLoss
 from hpo.trial import batch_limit, records, step_check
 from hpo.trial.context import TrialContext
-from hpo.trial.drivers import Trained, train_folds, train_trial
+from hpo.trial.drivers import train_folds, train_trial
 from hpo.trial.planning import PlannedTrial, plan_trial
 from hpo.trial.resources import Resources
+from hpo.trial.run import Trained, TrialRun
 
 
 def outcome_of(number: int, ended: BaseException | None, value: float | None = None
@@ -94,13 +95,12 @@ def execute(context: TrialContext, resources: Resources, params: Params | None =
         planned = plan_trial(context, params, resources)
         memory.restart_peak(resources.device)
         records.record_plan(trial, planned)
-        context.reporter.trial_started(trial.number, params, planned.plan, planned.probes)
+        context.display.trial_started(trial.number, params, planned.plan, planned.probes)
         context.watch(planned.batch_key, planned.plan.physical_batch)
-        run = train_folds if resources.config.data.cv_folds else train_trial
-        trained = run(context, planned, resources)
+        run = TrialRun(context, planned, resources)
+        trained = train_folds(run) if resources.config.data.cv_folds else train_trial(run)
         if resources.keeper is not None and trained.model is not None:
-            records.keep(context, planned, resources, resources.keeper, trained.model,
-                         trained.value, trained.epoch)
+            records.keep(run, trained, resources.keeper)
     except Exception as exc:
         ended = exc
     value = trained.value if trained is not None else None

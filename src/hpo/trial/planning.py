@@ -61,10 +61,9 @@ def plan_trial(context: TrialContext, params: Params, resources: Resources) -> P
     began = time.perf_counter()
     shared = memory.foreign_bytes(device)
     if shared:
-        context.reporter.warning(shared_device_warning(device, shared))
-    plan, key, probes = fit_batch(base_plan(params, training), params, training,
-                                  train_data.labels.shape[1], resources, context.cache,
-                                  context.watch, shared=shared)
+        context.display.warning(shared_device_warning(device, shared))
+    plan, key, probes = fit_batch(params, training, resources, context.cache,
+                                  watch=context.watch, shared=shared)
     searched = time.perf_counter() - began
     return PlannedTrial(params, training, plan, key, probes, train_data, validation_data,
                         resources.pad_id(params.model_name), source, tokenization_seconds,
@@ -77,24 +76,3 @@ def shared_device_warning(device: Device, shared: int) -> str:
             f"trial's batch is searched for what is left now, and neither its limit nor an "
             f"out-of-memory error goes into the study's cache, which every worker on this "
             f"kind of device trusts; run one worker per GPU (CUDA_VISIBLE_DEVICES)")
-
-
-def base_plan(params: Params, training: TrainingConfig) -> Plan:
-    """The plan of a configuration, its batches not yet fitted to the device."""
-    return Plan(
-        precision=params.fp_precision,
-        effective_batch=params.target_effective_batch_size,
-        physical_batch=1,
-        eval_batch=1,
-        learning_rate=params.learning_rate,
-        weight_decay=training.weight_decay,
-        warmup_ratio=training.warmup_ratio,
-        max_grad_norm=training.max_grad_norm,
-        epochs=training.epochs,
-        seed=training.seed,
-        evaluations_per_epoch=training.evaluations_per_epoch,
-        gradient_checkpointing=training.gradient_checkpointing,
-        compile=training.compile,
-    )
-
-

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +17,7 @@ import optuna
 import psutil
 import torch
 
+from hpo.config import StudySection
 from hpo.errors import one_line
 from hpo.hardware import fused_adamw, library_versions
 from hpo.outcome import Outcome
@@ -25,9 +28,9 @@ from hpo.training.memory import DeviceMemory
 from hpo.training.models import config_of
 from hpo.training.train import CompiledOrEager, Progress, as_epochs
 from hpo.trial.batch_limit import BatchLimit
-from hpo.trial.context import TrialContext
 from hpo.trial.planning import PlannedTrial
 from hpo.trial.resources import Resources
+from hpo.trial.run import Trained, TrialRun
 
 
 class Warner(Protocol):
@@ -88,13 +91,13 @@ def record_model(trial: optuna.Trial, model: torch.nn.Module, device_type: str,
     trial.set_user_attr("trainable_share", round(trainable / total, 6))
 
 
-def warn_eager(number: int, model: torch.nn.Module, reporter: Warner,
+def warn_eager(number: int, model: torch.nn.Module, display: Warner,
                warned: str | None) -> str | None:
     """Warn once that the compiler failed and the trial trains eagerly; returns the failure
     warned of."""
     failure = model.failure if isinstance(model, CompiledOrEager) else None
     if failure is not None and warned is None:
-        reporter.warning(f"trial {number}: torch.compile failed, so the trial trains "
+        display.warning(f"trial {number}: torch.compile failed, so the trial trains "
                          f"without it (slower): {failure}")
     return failure
 
@@ -118,25 +121,41 @@ def record_speed(trial: optuna.Trial, progress: Progress) -> None:
         trial.set_user_attr("grad_scale", progress.grad_scale)
 
 
+@dataclass
+class FoldsSoFar:
+    """A cross-validated trial's folds so far: each fold's score and the epoch (1-based) it
+    comes from, the training seconds of all, the last progress, the compiler's failure."""
+
+    scores: list[float] = field(default_factory=list)
+    value_epochs: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    progress: Progress | None = None
+    compile_failure: str | None = None
+
+    @property
+    def mean(self) -> float:
+        return sum(self.scores) / len(self.scores)
+
+
 @batched_user_attrs()
-def record_folds(trial: optuna.Trial, scores: list[float], value_epochs: list[int],
-                 seconds: float, progress: Progress | None, failure: str | None,
-                 compiled: bool) -> None:
-    """A cross-validated trial's folds so far: each fold's score and the epoch it comes
-    from, the training seconds of all, and the last fold's speed."""
-    trial.set_user_attr("fold_scores", [round(v, 4) for v in scores])
-    trial.set_user_attr("fold_value_epochs", value_epochs)
-    trial.set_user_attr("train_seconds", round(seconds, 3))
-    if progress is not None:
-        record_speed(trial, progress)
+def record_folds(trial: optuna.Trial, folds: FoldsSoFar, compiled: bool) -> None:
+    """A cross-validated trial's folds so far, and the last fold's speed."""
+    trial.set_user_attr("fold_scores", [round(v, 4) for v in folds.scores])
+    trial.set_user_attr("fold_value_epochs", folds.value_epochs)
+    trial.set_user_attr("train_seconds", round(folds.seconds, 3))
+    if folds.progress is not None:
+        record_speed(trial, folds.progress)
     if compiled:
-        record_compiled(trial, failure)
+        record_compiled(trial, folds.compile_failure)
 
 
 @batched_user_attrs()
 def record_progress(trial: optuna.Trial, progress: Progress | None,
-                    scores: list[metrics.Scores], objective: str, rule: str,
+                    scores: list[metrics.Scores], study: StudySection,
                     model: torch.nn.Module, *, per_epoch: int = 1) -> None:
+    """How the training went: its speed and seconds, and the scores of the evaluation the
+    value comes from (`study.objective_epoch`) and every evaluation's objective."""
+    objective, rule = study.objective, study.objective_epoch
     if isinstance(model, CompiledOrEager):
         record_compiled(trial, model.failure)
     if progress is not None:
@@ -187,26 +206,27 @@ def record_stopped(trial: optuna.Trial, error: str | None, *, interrupted: bool)
         trial.set_user_attr("interrupted", True)
 
 
-def keep(context: TrialContext, planned: PlannedTrial, resources: Resources,
-         keeper: artifacts.Keeper, model: torch.nn.Module, value: float, epoch: float) -> None:
-    """Keep the trial's model if it ranks in the study's best; a failure to keep it is a
-    warning and an attribute, never the trial's failure."""
-    data = resources.config.data
-    trial = context.trial
-
-    def save(directory: Path) -> None:
-        export.save_model(directory, model, planned.params.model_name, resources.label_names,
-                          task=data.task, max_length=data.max_length,
-                          thresholds=dict.fromkeys(resources.label_names, 0.5))
-        (directory / "hpo-trial.json").write_text(artifacts.settings(
-            trial, value, epoch, planned.training.model_dump(mode="json")))
-
+def keep(run: TrialRun, trained: Trained, keeper: artifacts.Keeper) -> None:
+    """Keep the trained model in `keeper` if it ranks in the study's best; a failure to keep
+    it is a warning and an attribute, never the trial's failure."""
+    trial, model = run.trial, trained.model
+    assert model is not None  # a single-model trial's
     began = time.perf_counter()
     try:
-        artifacts.keep(trial, value, keeper, save, context.lock)
+        if not artifacts.ranks(trial, trained.value, keeper):
+            return
+        data, names = run.config.data, run.resources.label_names
+        with tempfile.TemporaryDirectory(prefix="hpo-checkpoint-") as scratch:
+            model_dir = Path(scratch) / f"trial-{trial.number}"
+            export.save_model(model_dir, model, run.model_name, task=data.task,
+                              max_length=data.max_length, thresholds=dict.fromkeys(names, 0.5))
+            (model_dir / "hpo-trial.json").write_text(artifacts.settings(
+                trial, trained.value, trained.epoch,
+                run.planned.training.model_dump(mode="json")))
+            artifacts.keep(trial, trained.value, keeper, model_dir, run.context.lock)
         trial.set_user_attr("keep_seconds", round(time.perf_counter() - began, 3))
     except Exception as exc:
-        context.reporter.warning(f"trial {trial.number}: its model could not be kept in "
-                                 f"{keeper.where}: {one_line(exc)}")
+        run.context.display.warning(f"trial {trial.number}: its model could not be kept in "
+                                     f"{keeper.where}: {one_line(exc)}")
         with contextlib.suppress(Exception):
             trial.set_user_attr("checkpoint_error", one_line(exc))

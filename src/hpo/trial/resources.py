@@ -14,7 +14,7 @@ from hpo.data import token_cache
 from hpo.data.batching import Encoded
 from hpo.data.redsm5 import label_names, read_redsm5
 from hpo.data.splits import Splits, folds, split_posts
-from hpo.data.tasks import Example, build_examples
+from hpo.data.tasks import Example, build_examples, targets
 from hpo.errors import one_line
 from hpo.hardware import Device
 from hpo.search.artifacts import Keeper
@@ -64,6 +64,11 @@ class Resources:
         the cache had them."""
         return token_cache.cached_encode(self.models.tokenizer(model_name), examples,
                                          self.config.data.max_length, self.token_cache_dir)
+
+    @property
+    def num_labels(self) -> int:
+        """The outputs of a trial's classifier head: one per example's target."""
+        return targets(self.config.data.task, self.label_names)
 
     def pad_id(self, model_name: str) -> int:
         """The token the collator pads this model's batches with."""

@@ -26,9 +26,10 @@ import torch
 
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device, precision_name
+from hpo.space import StepCosts
 from hpo.training import adapters, memory
 from hpo.training.models import config_of
-from hpo.training.train import Plan, autocast, make_optimizer, prepare, probe_step
+from hpo.training.train import Plan, Stepper, autocast, prepare, probe_step
 from hpo.trial.resources import Resources
 
 PREFIX = "check:"
@@ -109,6 +110,14 @@ def step_seconds(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]] 
         assert v.step_seconds is not None and v.step_batch is not None  # _timed's filter
         seconds.setdefault(_configuration(v), {})[v.precision] = v.step_seconds / v.step_batch
     return seconds or None
+
+
+def step_costs(verdicts: list[Verdict] | None) -> StepCosts | None:
+    """What the check measured, for `space.by_cost`; None if no step was timed."""
+    seconds = step_seconds(verdicts)
+    if seconds is None:
+        return None
+    return StepCosts(seconds, step_spreads(verdicts), crowded(verdicts))
 
 
 def step_spreads(verdicts: list[Verdict] | None) -> dict[str, dict[str, float]]:
@@ -247,13 +256,11 @@ def _stepper(resources: Resources, model_name: str, precision: str,
                            training, precision)
     model = prepare(model, plan, device)
     length = _length(resources, model_name)
-    optimizer = make_optimizer(model, plan, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    stepper = Stepper.fresh(model, plan, device)
 
     def step(batch: int) -> tuple[float, float]:
         began = time.perf_counter()
-        loss = probe_step(model, plan, device, batch, length, config_of(model).vocab_size,
-                          optimizer, scaler)
+        loss = probe_step(model, plan, device, batch, length, stepper)
         return loss, time.perf_counter() - began
 
     return step, model, plan
