@@ -5,6 +5,7 @@ study's space, each run to the table's epochs with no pruner, through `hpo run` 
     python benchmarks/learning_curves.py --seeds 1 --minutes 60  # a part, appended later
     python benchmarks/learning_curves.py --summary               # what the table holds,
                                                                   # stopped parts harvested
+    python benchmarks/learning_curves.py --seeds 2 --pinned      # a part on another CPU kind
 
 The grid: both models, each precision native here, effective batches 8, 16 and 32, a log
 grid of learning rates over the space's range (3 a decade) and weight decay at its low, middle
@@ -18,7 +19,16 @@ Per trial the table keeps each epoch's validation macro-F1 and seconds (steps an
 and the seconds before its first epoch: model load, tokenization and the batch search, with
 the probes the search made (only a study's first trial of a model, precision and batch bound
 searches; later ones read the study's cache). The file records the machine, versions and
-dates it was recorded with; a part recorded on another CPU kind is refused.
+dates it was recorded with.
+
+A part recorded on another CPU kind (`--pinned`) runs fp32 only, on two threads, with
+deterministic algorithms and the AVX2 code paths of torch, oneDNN and MKL forced through
+their environment settings (`PINNED_ENV`). It is gated: first `--gate` points the table holds
+for that seed are recorded again. Identical to `GATE_TOLERANCE` in every epoch's F1, the part
+is appended as the seed's own; otherwise it enters tagged (`parts`) as a noise draw, the gate's
+largest difference stated beside the table's training noise. Either way its rows' seconds
+are priced from the reference recording's medians at the same point, so that a replay pays
+the reference machine's costs throughout; the seconds it measured are kept in `parts`.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
@@ -49,6 +60,17 @@ TABLE = Path(__file__).resolve().parent / "learning_curves.json"
 EPOCHS = 4
 RATES_PER_DECADE = 3
 STUDY_NAME = "curves"
+# The kernels of an AVX2 machine on any x86 CPU: ATen's dispatch, oneDNN's ISA, MKL's code
+# path and its conditional numerical reproducibility; two threads, as the reference had.
+PINNED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+              "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2,STRICT",
+              "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+# hpo's command line with torch's deterministic algorithms on (torch has no variable for it).
+DETERMINISTIC = ("import sys, torch; torch.use_deterministic_algorithms(True); "
+                 "from hpo.cli import main; sys.exit(main(sys.argv[1:]))")
+GATE_TOLERANCE = 1e-4
+SECONDS = ("epoch_seconds", "setup_seconds", "tokenization_seconds", "batch_search_seconds",
+           "model_seconds")
 COLUMNS = ["model", "precision", "batch", "learning_rate", "weight_decay", "seed",
            "f1", "epoch_seconds", "setup_seconds", "tokenization_seconds",
            "batch_search_seconds", "batch_probes", "model_seconds"]
@@ -92,9 +114,10 @@ def load_table(path: Path) -> dict:
 
 
 def harvest(table: dict, storage: str, seed: int, requeue: bool = False) -> int:
-    """Move the seed's finished trials into the table; with `requeue` (no recording is
-    running), fail a trial a killed run left RUNNING and enqueue its point again. Returns
-    how many rows were added."""
+    """Move the seed's finished trials into the table, a pinned part's priced (`priced`);
+    with `requeue` (no recording is running), fail a trial a killed run left RUNNING and
+    enqueue its point again. Returns how many rows were added."""
+    part = part_of(table, seed)
     try:
         study = optuna.load_study(study_name=STUDY_NAME, storage=storage)
     except KeyError:
@@ -105,7 +128,8 @@ def harvest(table: dict, storage: str, seed: int, requeue: bool = False) -> int:
     added = 0
     for trial in study.get_trials(deepcopy=False):
         if trial.state == TrialState.COMPLETE and key(trial.params, seed) not in have:
-            table["rows"].append(row_of(trial, seed))
+            row = row_of(trial, seed)
+            table["rows"].append(row if part is None else priced(table, part, row))
             have.add(key(trial.params, seed))
             added += 1
         elif trial.state == TrialState.RUNNING and requeue:
@@ -114,8 +138,20 @@ def harvest(table: dict, storage: str, seed: int, requeue: bool = False) -> int:
     return added
 
 
-def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: Path,
-                seconds: float | None, precisions: tuple[str, ...]) -> None:
+@dataclass(frozen=True)
+class Recording:
+    """Where a recording keeps its studies (`work`) and its table (`output`), the precisions
+    it records, and whether it runs the pinned kernels (`PINNED_ENV`)."""
+
+    work: Path
+    output: Path
+    precisions: tuple[str, ...]
+    pinned: bool = False
+
+
+def record_seed(table: dict, recording: Recording, points: list[dict], seed: int,
+                seconds: float | None) -> None:
+    work, output, precisions = recording.work, recording.output, recording.precisions
     directory = work / f"seed-{seed}"
     directory.mkdir(parents=True, exist_ok=True)
     storage = f"sqlite:///{directory / 'hpo.db'}"
@@ -139,12 +175,14 @@ def record_seed(table: dict, points: list[dict], seed: int, work: Path, output: 
     else:
         enqueue_missing(study, missing, seed)
         complete = len(study.get_trials(states=(TrialState.COMPLETE,)))
-    command = [sys.executable, "-m", "hpo.cli", "run", "--study", "demo", "--storage", storage,
+    python = ("-c", DETERMINISTIC) if recording.pinned else ("-m", "hpo.cli")
+    command = [sys.executable, *python, "run", "--study", "demo", "--storage", storage,
                "--n-trials", str(complete + len(missing)),
                *[part for item in sets for part in ("--set", item)]]
     if seconds is not None:
         command += ["--timeout", f"{max(seconds, 1):.0f}"]
-    env = {**os.environ, "HPO_CACHE_DIR": str(directory / "cache")}
+    env = {**os.environ, "HPO_CACHE_DIR": str(directory / "cache"),
+           **(PINNED_ENV if recording.pinned else {})}
     print(f"seed {seed}: {len(missing)} points to record", flush=True)
     with (directory / "hpo.log").open("a") as log:
         done = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=log, check=False)
@@ -178,12 +216,88 @@ def save(table: dict, output: Path, added: int, force: bool = False) -> None:
     print(f"  {added} rows added: {len(table['rows'])} in {output}", flush=True)
 
 
+def part_of(table: dict, seed: int) -> dict | None:
+    """The pinned part recording `seed` here, if there is one."""
+    return next((p for p in table.get("parts", ()) if p["seed"] == seed), None)
+
+
+def priced(table: dict, part: dict, row: list) -> list:
+    """A pinned part's row with its seconds from the reference recording's medians at the
+    same point (every epoch's, elementwise); what it measured is summed into `part`."""
+    at = dict(zip(COLUMNS, row, strict=True))
+    reference = [dict(zip(COLUMNS, r, strict=True)) for r in table["rows"]
+                 if r[:5] == row[:5] and r[5] != part["seed"]]
+    if not reference:
+        raise SystemExit(f"no reference recording of {row[:5]} to price a pinned row from")
+    part["measured_epoch_seconds"] = round(
+        part.get("measured_epoch_seconds", 0.0) + sum(at["epoch_seconds"]), 3)
+    for name in SECONDS:
+        values = [r[name] for r in reference]
+        at[name] = ([round(statistics.median(v), 3) for v in zip(*values, strict=True)]
+                    if name == "epoch_seconds" else round(statistics.median(values), 3))
+    part["priced_epoch_seconds"] = round(
+        part.get("priced_epoch_seconds", 0.0) + sum(at["epoch_seconds"]), 3)
+    return [at[c] for c in COLUMNS]
+
+
+def gate_points(table: dict, seed: int, count: int) -> list[dict]:
+    """`count` fp32 points the table holds for `seed`, spread evenly over its rows."""
+    rows = sorted((r for r in table["rows"] if r[5] == seed and r[1] == "none"),
+                  key=lambda r: (r[0], r[2], r[4], r[3]))
+    if len(rows) < count:
+        raise SystemExit(f"the gate needs {count} recorded points of seed {seed}; the table "
+                         f"holds {len(rows)}")
+    step = len(rows) / count
+    return [{"model_name": r[0], "fp_precision": r[1], "target_effective_batch_size": r[2],
+             "learning_rate": r[3], "weight_decay": r[4]}
+            for r in (rows[int(i * step)] for i in range(count))]
+
+
+def gate_difference(table: dict, again: dict, seed: int) -> float:
+    """The largest difference of any epoch's F1 between the points recorded `again` and the
+    table's rows of them."""
+    held = {tuple(r[:6]): r[6] for r in table["rows"]}
+    differences = [abs(a - b) for r in again["rows"]
+                   for a, b in zip(r[6], held[tuple(r[:5]) + (seed,)], strict=True)]
+    return max(differences)
+
+
+def pinned_part(table: dict, recording: Recording, seed: int, count: int) -> dict:
+    """The seed's pinned part, gated first where it has none: `count` of its points recorded
+    again with the pinned kernels, in a study of their own."""
+    part = part_of(table, seed)
+    if part is not None:
+        return part
+    work = recording.work / "gate"
+    gate = Recording(work, work / f"seed-{seed}.json", recording.precisions, pinned=True)
+    again = load_table(gate.output)
+    record_seed(again, gate, gate_points(table, seed, count), seed, None)
+    difference = gate_difference(table, again, seed)
+    part = {"seed": seed, "machine": cpu_model(), "versions": versions(),
+            "kernels": ", ".join(f"{k}={v}" for k, v in PINNED_ENV.items())
+            + ", torch.use_deterministic_algorithms(True), fp32",
+            "gate": {"points": count, "max_f1_difference": round(difference, 6),
+                     "identical": difference <= GATE_TOLERANCE},
+            "as": "the seed's own" if difference <= GATE_TOLERANCE else "a tagged noise draw"}
+    table.setdefault("parts", []).append(part)
+    save(table, recording.output, 0, force=True)
+    print(f"seed {seed}: gate of {count} points, largest F1 difference {difference:.6f}: "
+          f"{part['as']}", flush=True)
+    return part
+
+
 def summary(table: dict, points: list[dict]) -> None:
     print(f"{table['machine']}, {table['cores']} cores, {table['versions']}, {table['dates']}")
     for seed in sorted({r[5] for r in table["rows"]}):
         rows = [r for r in table["rows"] if r[5] == seed]
         hours = sum(sum(r[7]) + r[8] for r in rows) / 3600
         print(f"seed {seed}: {len(rows)} of {len(points)} points, {hours:.2f} h of trials")
+    for part in table.get("parts", ()):
+        print(f"seed {part['seed']}: a part on {part['machine']} ({part['kernels']}), "
+              f"gated on {part['gate']['points']} points (largest F1 difference "
+              f"{part['gate']['max_f1_difference']}): {part['as']}; epoch seconds priced "
+              f"from the reference, {part.get('measured_epoch_seconds', 0)} s measured for "
+              f"{part.get('priced_epoch_seconds', 0)} s priced")
     noise = training_noise(table)
     if noise is not None:
         print("training noise, the best epoch's F1 of one point across its seeds "
@@ -214,13 +328,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=REPO / "benchmarks" / ".curves")
     parser.add_argument("--minutes", type=float, help="start no trial after this long")
     parser.add_argument("--summary", action="store_true")
+    parser.add_argument("--pinned", action="store_true",
+                        help="record fp32 on the pinned kernels, gated (another CPU kind)")
+    parser.add_argument("--gate", type=int, default=12,
+                        help="points recorded again before a pinned part (default 12)")
     args = parser.parse_args(argv)
     study = study_files.load(study_files.study_path("demo"))
     table = load_table(args.output)
-    if table["machine"] != cpu_model():
+    if table["machine"] != cpu_model() and not (args.pinned or args.summary):
         raise SystemExit(f"{args.output} was recorded on {table['machine']}, not here "
-                         f"({cpu_model()}): record a new table with --output")
-    precisions = native_precisions(detect())
+                         f"({cpu_model()}): record a part with --pinned, or a new table "
+                         f"with --output")
+    precisions = ("none",) if args.pinned else native_precisions(detect())
+    recording = Recording(args.work, args.output, precisions, args.pinned)
     points = grid(study, precisions)
     # What a recording stopped part-way left in its storages, first.
     had_size = "train_size" in table
@@ -239,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
         left = None if args.minutes is None else args.minutes * 60 - (time.monotonic() - began)
         if left is not None and left <= 0:
             break
-        record_seed(table, points, seed, args.work, args.output, left, precisions)
+        if args.pinned:
+            pinned_part(table, recording, seed, args.gate)
+        record_seed(table, recording, points, seed, left)
     summary(table, points)
 
 

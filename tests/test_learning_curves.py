@@ -114,3 +114,46 @@ def test_training_noise_is_the_spread_of_a_points_best_epoch_across_its_seeds():
     assert count == 2 and median == pytest.approx(0.15) and high == pytest.approx(0.19)
     assert (lowest, highest) == (0.06, 0.4)
     assert learning_curves.training_noise({"rows": [row(1e-4, 0, [0.3])]}) is None
+
+
+def _row(seed, f1, epochs, setup=2.0, rate=1e-4, model="m"):
+    return [model, "none", 8, rate, 0.0, seed, f1, epochs, setup, 0.5, 0.25, 1, 1.0]
+
+
+def test_a_pinned_parts_row_pays_the_reference_machines_median_seconds():
+    table = {"rows": [_row(0, [0.1, 0.2], [10.0, 20.0], setup=2.0),
+                      _row(1, [0.2, 0.3], [12.0, 30.0], setup=4.0),
+                      _row(0, [0.1, 0.1], [99.0, 99.0], rate=1e-3)]}
+    part = {"seed": 2}
+    row = learning_curves.priced(table, part, _row(2, [0.3, 0.4], [5.0, 6.0], setup=9.0))
+    at = dict(zip(learning_curves.COLUMNS, row, strict=True))
+    assert at["f1"] == [0.3, 0.4] and at["seed"] == 2  # the part's own training
+    assert at["epoch_seconds"] == [11.0, 25.0] and at["setup_seconds"] == 3.0
+    assert (part["measured_epoch_seconds"], part["priced_epoch_seconds"]) == (11.0, 36.0)
+    with pytest.raises(SystemExit, match="no reference recording"):
+        learning_curves.priced(table, part, _row(2, [0.3], [5.0], rate=1e-5))
+
+
+def test_the_gate_records_points_the_table_holds_and_measures_how_far_they_moved():
+    rows = [_row(2, [0.1 * i, 0.2], [1.0, 1.0], rate=r) for i, r in
+            enumerate([1e-5, 1e-4, 1e-3, 2e-3], 1)] + [_row(0, [0.5, 0.5], [1.0, 1.0])]
+    table = {"rows": rows}
+    points = learning_curves.gate_points(table, 2, 2)
+    assert [p["learning_rate"] for p in points] == [1e-5, 1e-3]  # spread, seed 2's own
+    again = {"rows": [_row(2, [0.1, 0.20003], [7.0, 7.0], rate=1e-5),
+                      _row(2, [0.3, 0.2], [7.0, 7.0], rate=1e-3)]}
+    assert learning_curves.gate_difference(table, again, 2) == pytest.approx(3e-5)
+    again["rows"][1][6] = [0.31, 0.2]
+    assert learning_curves.gate_difference(table, again, 2) == pytest.approx(0.01)
+    with pytest.raises(SystemExit, match="needs 5 recorded points of seed 2"):
+        learning_curves.gate_points(table, 2, 5)
+
+
+def test_a_table_of_another_cpu_kind_takes_only_a_pinned_part(tmp_path, monkeypatch):
+    output = tmp_path / "table.json"
+    table = learning_curves.load_table(output)
+    table["machine"] = "Some Other CPU (avx2)"
+    learning_curves.save(table, output, 0, force=True)
+    with pytest.raises(SystemExit, match="record a part with --pinned"):
+        learning_curves.main(["--output", str(output), "--work", str(tmp_path), "--seeds", "2"])
+    learning_curves.main(["--output", str(output), "--work", str(tmp_path), "--summary"])
