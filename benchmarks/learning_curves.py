@@ -25,8 +25,9 @@ A part recorded on another CPU kind (`--pinned`) runs fp32 only, on two threads,
 deterministic algorithms and the AVX2 code paths of torch, oneDNN and MKL forced through
 their environment settings (`PINNED_ENV`). It is gated: first `--gate` points the table holds
 for that seed are recorded again. Identical to `GATE_TOLERANCE` in every epoch's F1, the part
-is appended as the seed's own; otherwise it enters tagged (`parts`) as a noise draw, the gate's
-largest difference stated beside the table's training noise. Either way its rows' seconds
+is appended as the seed's own; otherwise it enters tagged (`parts`) as a noise draw if the
+points' best F1 moved, at the median, no further than other training seeds move them (the
+table's median training noise), and is refused if further. Either way its rows' seconds
 are priced from the reference recording's medians at the same point, so that a replay pays
 the reference machine's costs throughout; the seconds it measured are kept in `parts`.
 """
@@ -262,6 +263,22 @@ def gate_difference(table: dict, again: dict, seed: int) -> float:
     return max(differences)
 
 
+def gate_best_differences(table: dict, again: dict, seed: int) -> list[float]:
+    """Per point recorded `again`, how far its best epoch's F1 moved from the table's."""
+    held = {tuple(r[:6]): r[6] for r in table["rows"]}
+    return [abs(max(r[6]) - max(held[tuple(r[:5]) + (seed,)])) for r in again["rows"]]
+
+
+def noise_bound(table: dict) -> float:
+    """How far a noise draw may move a point's best F1 at the median: the table's median
+    training noise (the range of a point's best F1 across its seeds)."""
+    noise = training_noise(table)
+    if noise is None:
+        raise SystemExit("a pinned part needs points recorded with two seeds or more, to "
+                         "know the training noise it is measured against")
+    return noise[1]
+
+
 def pinned_part(table: dict, recording: Recording, seed: int, count: int) -> dict:
     """The seed's pinned part, gated first where it has none: `count` of its points recorded
     again with the pinned kernels, in a study of their own."""
@@ -272,18 +289,33 @@ def pinned_part(table: dict, recording: Recording, seed: int, count: int) -> dic
     gate = Recording(work, work / f"seed-{seed}.json", recording.precisions, pinned=True)
     again = load_table(gate.output)
     record_seed(again, gate, gate_points(table, seed, count), seed, None)
+    part = gated(table, again, seed, count)
+    table.setdefault("parts", []).append(part)
+    save(table, recording.output, 0, force=True)
+    print(f"seed {seed}: gate of {count} points, largest F1 difference "
+          f"{part['gate']['max_f1_difference']:.6f}: {part['as']}", flush=True)
+    return part
+
+
+def gated(table: dict, again: dict, seed: int, count: int) -> dict:
+    """The part's record, from its gate: the seed's own where every epoch's F1 came back
+    within GATE_TOLERANCE; a tagged noise draw where the points' best F1 moved, at the
+    median, no further than other training seeds move them; refused otherwise."""
     difference = gate_difference(table, again, seed)
-    part = {"seed": seed, "machine": cpu_model(), "versions": versions(),
+    moved = statistics.median(gate_best_differences(table, again, seed))
+    bound = noise_bound(table)
+    if difference > GATE_TOLERANCE and moved > bound:
+        raise SystemExit(f"the pinned kernels moved seed {seed}'s points by a median "
+                         f"{moved:.4f} best F1, more than the table's training noise "
+                         f"({bound:.4f}): not a part of this table")
+    return {"seed": seed, "machine": cpu_model(), "versions": versions(),
             "kernels": ", ".join(f"{k}={v}" for k, v in PINNED_ENV.items())
             + ", torch.use_deterministic_algorithms(True), fp32",
             "gate": {"points": count, "max_f1_difference": round(difference, 6),
-                     "identical": difference <= GATE_TOLERANCE},
+                     "identical": difference <= GATE_TOLERANCE,
+                     "median_best_f1_difference": round(moved, 6),
+                     "training_noise_median": round(bound, 6)},
             "as": "the seed's own" if difference <= GATE_TOLERANCE else "a tagged noise draw"}
-    table.setdefault("parts", []).append(part)
-    save(table, recording.output, 0, force=True)
-    print(f"seed {seed}: gate of {count} points, largest F1 difference {difference:.6f}: "
-          f"{part['as']}", flush=True)
-    return part
 
 
 def summary(table: dict, points: list[dict]) -> None:
@@ -295,7 +327,10 @@ def summary(table: dict, points: list[dict]) -> None:
     for part in table.get("parts", ()):
         print(f"seed {part['seed']}: a part on {part['machine']} ({part['kernels']}), "
               f"gated on {part['gate']['points']} points (largest F1 difference "
-              f"{part['gate']['max_f1_difference']}): {part['as']}; epoch seconds priced "
+              f"{part['gate']['max_f1_difference']}, the best F1's median "
+              f"{part['gate'].get('median_best_f1_difference', '-')} against the training "
+              f"noise's {part['gate'].get('training_noise_median', '-')}): {part['as']}; "
+              f"epoch seconds priced "
               f"from the reference, {part.get('measured_epoch_seconds', 0)} s measured for "
               f"{part.get('priced_epoch_seconds', 0)} s priced")
     noise = training_noise(table)

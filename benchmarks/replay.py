@@ -62,6 +62,7 @@ from typing import Any, Protocol
 import optuna
 import peer_syne
 import tables
+import tpe_speed
 import yaml
 import yardstick
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution
@@ -807,6 +808,7 @@ class Setting:
     names: tuple[str, ...]
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
     horizons: tuple[float, ...] = ()  # compute mode: per table
+    exact_tpe: bool = False  # Optuna's own _log_ndtr, not benchmarks/tpe_speed.py's
 
     def variant_sets(self) -> dict[str, list[str]]:
         return {label: list(sets) for label, sets in self.variants}
@@ -839,6 +841,7 @@ def race(chosen: list[tuple[Policy, bool]], table: Any, world: int, setting: Set
 
 
 def one_world(setting: Setting, load: Callable[[], list[Ground]], world: int) -> dict:
+    (tpe_speed.uninstall if setting.exact_tpe else tpe_speed.install)()
     grounds = load()
     ground = grounds[world % len(grounds)]
     horizon = (setting.horizons[world % len(grounds)] if setting.mode == "compute"
@@ -921,7 +924,8 @@ def run(args: argparse.Namespace) -> dict:
              *(label for label, _ in variants if label != "hpo"))
     if args.hpo_sets:
         variants = (*variants, ("hpo", tuple(args.hpo_sets)))
-    setting = Setting(args.mode, args.budget, args.workers, names, variants)
+    setting = Setting(args.mode, args.budget, args.workers, names, variants,
+                      exact_tpe=args.exact_tpe)
     seeds = range(args.first_seed, args.first_seed + args.repetitions)
     count = len(load())
     if args.mode == "compute":
@@ -935,9 +939,13 @@ def run(args: argparse.Namespace) -> dict:
         "repetitions": args.repetitions, "first_seed": args.first_seed,
         "horizons": list(setting.horizons), "hpo_sets": args.hpo_sets,
         "even_costs": args.even_costs, "policies": list(names),
-        "tables": [{"file": Path(p).name, "name": g.table.name} for p, g in zip(
-            args.table, load(), strict=True)],
+        "tables": [{"file": Path(p).name, "name": g.table.name,
+                    # A part recorded on another CPU kind, and how its gate came out.
+                    **({"parts": g.table.table["parts"]}
+                       if g.demo and g.table.table.get("parts") else {})}
+                   for p, g in zip(args.table, load(), strict=True)],
         "machine": cpu_model(), "versions": versions(),
+        "tpe": "Optuna's" if args.exact_tpe else "Optuna's, log_ndtr vectorised (tpe_speed.py)",
         "measured": next((dataclasses.asdict(g.facts) for g in load() if g.demo), None),
         "versus": {peer: yardstick.compare(reps, "hpo", peer) for peer in names
                    if peer != "hpo" and peer not in null_names},
@@ -1078,6 +1086,8 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--hpo-set", dest="hpo_sets", action="append", default=[],
                        metavar="KEY=VALUE", help="hpo's defaults changed so; the peers, "
                        "those built on hpo too, keep the study file's")
+    found.add_argument("--exact-tpe", action="store_true",
+                       help="Optuna's own _log_ndtr in TPE (slower; the same figures)")
     found.add_argument("--even-costs", action="store_true",
                        help="the demo: every tool's trials cost hpo's, and hpo searches no "
                        "batch: the searches alone")

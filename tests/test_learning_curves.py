@@ -157,3 +157,23 @@ def test_a_table_of_another_cpu_kind_takes_only_a_pinned_part(tmp_path, monkeypa
     with pytest.raises(SystemExit, match="record a part with --pinned"):
         learning_curves.main(["--output", str(output), "--work", str(tmp_path), "--seeds", "2"])
     learning_curves.main(["--output", str(output), "--work", str(tmp_path), "--summary"])
+
+
+def test_a_gate_that_moved_points_like_training_noise_takes_a_tagged_draw_else_refuses():
+    # Seeds whose best F1 span 0.2 at every point: the training noise's median.
+    rows = [_row(s, [0.2 + 0.1 * s, 0.3 + 0.1 * s], [1.0, 1.0], rate=r)
+            for s in (0, 1) for r in (1e-5, 1e-4, 1e-3)]
+    rows += [_row(2, [0.4, 0.5], [1.0, 1.0], rate=r) for r in (1e-5, 1e-4, 1e-3)]
+    table = {"rows": rows}
+    same = {"rows": [_row(2, [0.4, 0.5], [2.0, 2.0], rate=r) for r in (1e-5, 1e-4, 1e-3)]}
+    assert learning_curves.gated(table, same, 2, 3)["as"] == "the seed's own"
+    moved = {"rows": [_row(2, [0.4, 0.45 + d], [2.0, 2.0], rate=r)
+                      for d, r in ((0.0, 1e-5), (0.02, 1e-4), (0.3, 1e-3))]}
+    part = learning_curves.gated(table, moved, 2, 3)
+    assert part["as"] == "a tagged noise draw"
+    assert part["gate"]["median_best_f1_difference"] == pytest.approx(0.05)
+    assert part["gate"]["training_noise_median"] == pytest.approx(0.2)
+    assert part["gate"]["max_f1_difference"] == pytest.approx(0.25)
+    far = {"rows": [_row(2, [0.1, 0.2], [2.0, 2.0], rate=r) for r in (1e-5, 1e-4, 1e-3)]}
+    with pytest.raises(SystemExit, match="more than the table's training noise"):
+        learning_curves.gated(table, far, 2, 3)

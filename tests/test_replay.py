@@ -290,6 +290,7 @@ def test_every_policy_runs_and_the_output_holds_the_yardsticks_figures(tmp_path)
     made = made_up_table()
     real = REPO / "benchmarks" / "results" / "search_quality.json"
     made["machine"] = json.loads(real.read_text())["runs"][0]["machine"]
+    made["parts"] = [{"seed": 1, "machine": "another CPU", "as": "a tagged noise draw"}]
     table.write_text(json.dumps(made))
     names = [p for p in replay.PEERS if p not in ("ray", "ray-rf2", "bohb")]
     result = main_run(tmp_path, "--budget", "6", "--workers", "2", "--repetitions", "2",
@@ -306,6 +307,7 @@ def test_every_policy_runs_and_the_output_holds_the_yardsticks_figures(tmp_path)
     assert result["machine"] and result["versions"]["optuna"] == optuna.__version__
     assert result["measured"]["slowdowns"]["novice"]  # measured on that machine's runs
     assert len(result["repetitions_data"]) == 2
+    assert result["tables"][0]["parts"] == made["parts"]  # a seed's provenance travels
 
 
 def test_compute_modes_horizon_is_the_median_wall_of_the_novices_trials(tmp_path):
