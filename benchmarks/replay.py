@@ -868,10 +868,11 @@ def horizons(setting: Setting, load: Callable[[], list[Ground]], seeds: range,
     table's worlds: compute mode's default horizon."""
     probe = replace(setting, mode="trials", names=("novice",), variants=())
     reps = repeat(functools.partial(one_world, probe, load), seeds, jobs)
-    count = len(load())
-    return tuple(statistics.median(rep["novice"]["wall"] for k, rep in zip(seeds, reps,
-                                                                           strict=True)
-                                   if k % count == t) for t in range(count))
+    walls: list[list[float]] = [[] for _ in load()]
+    for k, rep in zip(seeds, reps, strict=True):
+        walls[k % len(walls)].append(rep["novice"]["wall"])
+    # A table no world searches (fewer worlds than tables) needs no horizon.
+    return tuple(statistics.median(w) if w else math.nan for w in walls)
 
 
 # ---------------------------------------------------------------------------- the figures
@@ -937,7 +938,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "mode": args.mode, "budget": args.budget, "workers": args.workers,
         "repetitions": args.repetitions, "first_seed": args.first_seed,
-        "horizons": list(setting.horizons), "hpo_sets": args.hpo_sets,
+        "horizons": [h if math.isfinite(h) else None for h in setting.horizons],
+        "hpo_sets": args.hpo_sets,
         "even_costs": args.even_costs, "policies": list(names),
         "tables": [{"file": Path(p).name, "name": g.table.name,
                     # A part recorded on another CPU kind, and how its gate came out.

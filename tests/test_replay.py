@@ -324,6 +324,9 @@ def test_compute_modes_horizon_is_the_median_wall_of_the_novices_trials(tmp_path
     given = main_run(tmp_path, "--mode", "compute", "--horizon", "50", "--repetitions", "1",
                      "--table", table, "--policies", "random")
     assert given["horizons"] == [50.0]
+    fewer = main_run(tmp_path, "--mode", "compute", "--budget", "5", "--repetitions", "1",
+                     "--table", table, table, "--policies", "novice")
+    assert fewer["horizons"] == [walls[0], None]  # a table no world searched
 
 
 def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_path):
