@@ -206,3 +206,42 @@ def test_the_launcher_names_a_worker_as_its_trials_record_it(monkeypatch):
     # A trial run in a process of its own (isolate_trials) is its worker's.
     monkeypatch.setenv(WORKER_PID, "4188")
     assert records.worker_name() == worker_on_this_host(4188)
+
+
+def _passed_rung_zero(study: optuna.Study) -> optuna.Trial:
+    """A trial that passed successive halving's first rung (Optuna's pruner writes it)."""
+    trial = study.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    trial.report(0.9, 1)
+    assert not trial.should_prune()
+    return trial
+
+
+def test_a_retry_meets_every_rung_afresh_and_a_carried_run_keeps_its_own(storage):
+    """Optuna's retry copies every system attribute, the pruner's passed rungs with them; a
+    retry that starts over must be judged at every rung again. The key is Optuna's private
+    name: this fails when it changes."""
+    from hpo.search.liveness import RUNG_PREFIX
+
+    opened = open_storage(storage, heartbeat_interval=30, grace_period=120)
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3,
+                                                    bootstrap_count=0)
+    study = optuna.create_study(study_name="r", storage=opened, direction="maximize",
+                                pruner=pruner)
+    dead = _passed_rung_zero(study)
+    passed = opened.get_trial(dead._trial_id)
+    assert f"{RUNG_PREFIX}0" in passed.system_attrs  # Optuna's name for a passed rung
+    opened.set_trial_state_values(dead._trial_id, state=TrialState.FAIL)
+    opened.get_heartbeat_stale_trial_callback()(study, passed)
+    retry = study.get_trials(states=(TrialState.WAITING,))[0]
+    assert retry.system_attrs["retry_history"] == [0]
+    assert not any(k.startswith(RUNG_PREFIX) for k in retry.system_attrs)
+
+    alive = _passed_rung_zero(study)  # reaped while it ran: it goes on as its retry
+    live = LiveTrial(alive)
+    opened.set_trial_state_values(alive._trial_id, state=TrialState.FAIL)
+    opened.get_heartbeat_stale_trial_callback()(study, opened.get_trial(alive._trial_id))
+    assert carry_over(live) == alive.number
+    carried = opened.get_trial(live.trial._trial_id)
+    assert carried.system_attrs[f"{RUNG_PREFIX}0"] == 0.9
+    opened.engine.dispose()

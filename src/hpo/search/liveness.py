@@ -11,6 +11,7 @@ judge workers, not outcomes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import socket
 import threading
@@ -25,6 +26,25 @@ from hpo.search import budget
 from hpo.search.resilience import ResilientRDBStorage, single_attempt
 
 Lock = Callable[[], AbstractContextManager[object]]
+
+# Optuna's successive halving pruner (Hyperband's brackets too) records each rung a trial
+# passed as the system attribute `completed_rung_<k>` (optuna.pruners._successive_halving's
+# private `_completed_rung_key`; tests/search/test_liveness.py fails when it changes).
+RUNG_PREFIX = "completed_rung_"
+
+
+class RetryFromScratch(optuna.storages.RetryHeartbeatStaleTrialCallback):
+    """Optuna's re-queueing of a dead worker's trial, less the rungs the dead run passed.
+    Optuna's callback copies every system attribute onto the retry, so the retry, which
+    trains from its first epoch again, would skip the rungs its predecessor passed and be
+    judged first at a later rung. A run that was in fact alive and goes on as the retry
+    (`carry_over`) takes its rungs along itself."""
+
+    def __call__(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        fresh = copy.copy(trial)
+        fresh.system_attrs = {k: v for k, v in trial.system_attrs.items()
+                              if not k.startswith(RUNG_PREFIX)}
+        super().__call__(study, fresh)
 
 
 class LiveTrial:
@@ -185,5 +205,8 @@ def carry_over(live: LiveTrial, lock: Lock = contextlib.nullcontext) -> int | No
         storage.set_trial_intermediate_value(claimed._trial_id, step, value)
     for key, value in {**reaped.user_attrs, "result_of": number}.items():
         storage.set_trial_user_attr(claimed._trial_id, key, value)
+    for key, value in reaped.system_attrs.items():
+        if key.startswith(RUNG_PREFIX):  # the run goes on past the rungs it passed
+            storage.set_trial_system_attr(claimed._trial_id, key, value)
     live.trial = optuna.trial.Trial(study, claimed._trial_id)
     return number

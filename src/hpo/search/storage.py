@@ -14,10 +14,10 @@ from typing import Any
 
 import optuna
 import sqlalchemy
-from optuna.storages import RetryHeartbeatStaleTrialCallback
 from sqlalchemy import exc as sa_exc
 
 from hpo.errors import StorageError
+from hpo.search.liveness import RetryFromScratch
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.storage_start import StartWait, scrub, start_wait
 
@@ -63,12 +63,12 @@ def _password(url: str) -> str | None:
     return match["password"] if match else None
 
 
-def retry_callback(max_retry: int) -> RetryHeartbeatStaleTrialCallback:
+def retry_callback(max_retry: int) -> RetryFromScratch:
     """Optuna's re-queueing of a dead worker's trial, at most `max_retry` times."""
     with warnings.catch_warnings():
         # Experimental in Optuna 5; its documented way to retry a dead worker's trial.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+        return RetryFromScratch(max_retry=max_retry)
 
 
 def open_storage(
