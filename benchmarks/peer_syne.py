@@ -1,20 +1,23 @@
-"""The model-based multi-fidelity peer: Syne Tune's Hyper-Tune (Li et al., VLDB 2022), run by
-Syne Tune 0.13's own scheduler, driven asynchronously as Syne Tune's simulator backend drives
-it: `suggest` when a worker is free, `on_trial_result` at every epoch's end (its decision
-stops a trial), `on_trial_complete` at a trial's end.
+"""The model-based multi-fidelity peer: Syne Tune 0.13's schedulers, run by Syne Tune's own
+code, driven asynchronously as its tuner drives them over the simulator backend: `suggest`
+when a worker is free (a new trial, or a paused one it promotes), `on_trial_result` at every
+epoch's end (its decision stops or pauses a trial, and a stopped or paused trial is then
+removed with `on_trial_remove`), `on_trial_complete` at a trial's end.
 
-Why Hyper-Tune: it is the maintained model-based variant of asynchronous successive halving
-(a Gaussian process per rung, rungs weighted by how well they rank what later rungs see, the
-bracket chosen by that model), the family hpo's own search belongs to; 0.13 is the last Syne
-Tune release that holds it and MOBSTER. Its settings are Syne Tune's defaults
-(`HyperbandScheduler`: type "stopping", grace period 1, reduction factor 3; the searcher's
+The replay's `bohb` is BOHB (Falkner et al., 2018): asynchronous successive halving's
+stopping rule with a kernel density model fitted at the highest rung with enough data. MOBSTER
+and Hyper-Tune (Gaussian processes per rung) are here too, but fit at every decision and are
+too slow for thousands of replayed worlds (benchmarks/README.md gives the figures). In
+promotion form (`asha-promotion`, `bohb-promotion`) a scheduler pauses each trial at a rung
+and resumes the ones it promotes (Li et al., 2020): the form issue 63 weighs for hpo. Every
+setting is Syne Tune's default (grace period 1, reduction factor 3, the searcher's
 defaults), given the table's epochs as `max_t` and the repetition's seed.
 
 Syne Tune 0.13 pins numpy below 1.27, which hpo's environment cannot share, so the scheduler
 runs in its own environment and process and this file is both ends of a pipe:
 
     python3 -m venv .venv-syne && .venv-syne/bin/pip install -r benchmarks/peers/syne.txt
-    python benchmarks/replay.py ... --policies hyper-tune ...   # finds .venv-syne/bin/python
+    python benchmarks/replay.py ... --policies bohb ...   # finds .venv-syne/bin/python
 
 `serve()` (in Syne Tune's environment) answers JSON lines on stdin; `Scheduler` (in hpo's)
 starts one server per process and speaks to it. HPO_SYNE_PYTHON names another interpreter.
@@ -46,7 +49,7 @@ class Server:
 
     def __init__(self) -> None:
         if not available():
-            raise SystemExit(f"the hyper-tune peer needs Syne Tune 0.13 at {PYTHON}: "
+            raise SystemExit(f"the Syne Tune peers need Syne Tune 0.13 at {PYTHON}: "
                              "python3 -m venv .venv-syne && .venv-syne/bin/pip install -r "
                              "benchmarks/peers/syne.txt")
         self.process = subprocess.Popen(
@@ -91,8 +94,8 @@ def shutdown() -> None:
 
 
 class Scheduler:
-    """A Hyper-Tune scheduler in the server: `space` maps names to Optuna distributions'
-    JSON (`optuna.distributions.distribution_to_json`)."""
+    """A Syne Tune scheduler in the server (METHODS names them): `space` maps names to
+    Optuna distributions' JSON (`optuna.distributions.distribution_to_json`)."""
 
     def __init__(self, space: dict[str, str], max_t: int, seed: int, method: str = "bohb",
                  mode: str = "max") -> None:
@@ -102,13 +105,16 @@ class Scheduler:
         self.server.ask({"op": "new", "id": self.id, "space": space, "max_t": max_t,
                          "seed": seed, "mode": mode, "method": method})
 
-    def suggest(self, trial: int) -> dict[str, Any]:
-        return self.server.ask({"op": "suggest", "id": self.id, "trial": trial})["config"]
+    def suggest(self, trial: int) -> tuple[dict[str, Any] | None, int | None]:
+        """A new trial's config (numbered `trial`), or the number of a paused trial to
+        resume: (config, None) or (None, number)."""
+        reply = self.server.ask({"op": "suggest", "id": self.id, "trial": trial})
+        return reply["config"], reply["resume"]
 
-    def result(self, trial: int, epoch: int, value: float) -> bool:
-        """True: the scheduler stops the trial here."""
+    def result(self, trial: int, epoch: int, value: float) -> str:
+        """The scheduler's decision here: "continue", "stop" or "pause"."""
         return self.server.ask({"op": "result", "id": self.id, "trial": trial,
-                                "epoch": epoch, "value": value})["stop"]
+                                "epoch": epoch, "value": value})["decision"]
 
     def complete(self, trial: int) -> None:
         """A trial that ran to its end (a stopped one is not told again, as in Syne Tune's
@@ -122,8 +128,12 @@ class Scheduler:
 # ---------------------------------------------------------------------------- Syne Tune's side
 
 
-# The schedulers a replay may name: Syne Tune's own classes at their defaults.
-METHODS = {"bohb": "BOHB", "mobster": "MOBSTER", "hyper-tune": "HyperTune", "asha": "ASHA"}
+# The schedulers a replay may name: Syne Tune's own classes at their defaults, the form
+# ("stopping" is Syne Tune's default) named where it is not.
+METHODS: dict[str, tuple[str, dict[str, str]]] = {
+    "bohb": ("BOHB", {}), "mobster": ("MOBSTER", {}), "hyper-tune": ("HyperTune", {}),
+    "asha": ("ASHA", {}), "asha-promotion": ("ASHA", {"type": "promotion"}),
+    "bohb-promotion": ("BOHB", {"type": "promotion"})}
 
 
 def domain(encoded: str) -> Any:
@@ -164,25 +174,30 @@ def serve() -> None:
         try:
             if op == "new":
                 space = {name: domain(d) for name, d in message["space"].items()}
-                method = METHODS[message.get("method", "bohb")]
+                method, form = METHODS[message.get("method", "bohb")]
                 schedulers[key] = getattr(baselines, method)(
                     space, metric="objective", resource_attr="epoch", mode=message["mode"],
-                    max_t=message["max_t"], random_seed=message["seed"])
+                    max_t=message["max_t"], random_seed=message["seed"], **form)
                 reply: dict[str, Any] = {}
             elif op == "suggest":
                 number = message["trial"]
                 suggestion = schedulers[key].suggest(number)
-                trial = Trial(trial_id=number, config=suggestion.config,
-                              creation_time=datetime.datetime.now())
-                trials[key, number] = trial
-                schedulers[key].on_trial_add(trial)
-                reply = {"config": suggestion.config}
+                if not suggestion.spawn_new_trial_id:  # a paused trial promoted
+                    reply = {"config": None, "resume": suggestion.checkpoint_trial_id}
+                else:
+                    trial = Trial(trial_id=number, config=suggestion.config,
+                                  creation_time=datetime.datetime.now())
+                    trials[key, number] = trial
+                    schedulers[key].on_trial_add(trial)
+                    reply = {"config": suggestion.config, "resume": None}
             elif op == "result":
                 result = {"objective": message["value"], "epoch": message["epoch"]}
                 last[key, message["trial"]] = result
-                decision = schedulers[key].on_trial_result(trials[key, message["trial"]],
-                                                           result)
-                reply = {"stop": decision == SchedulerDecision.STOP}
+                trial = trials[key, message["trial"]]
+                decision = schedulers[key].on_trial_result(trial, result)
+                if decision in (SchedulerDecision.STOP, SchedulerDecision.PAUSE):
+                    schedulers[key].on_trial_remove(trial)  # as Syne Tune's tuner does
+                reply = {"decision": str(decision).lower()}
             elif op == "complete":
                 number = message["trial"]
                 schedulers[key].on_trial_complete(trials[key, number], last[key, number])

@@ -200,11 +200,16 @@ class Config:
     weight_decay: float
 
 
+# What a report may decide besides going on (False) or stopping the trial (True): pausing it
+# at a rung, resumable from its checkpoint when the policy promotes it (promotion ASHA).
+PAUSE = "pause"
+
+
 class Running(Protocol):
-    """A trial a policy started: it hears each report and may stop the trial."""
+    """A trial a policy started: it hears each report and may stop or pause the trial."""
     config: Any
 
-    def report(self, epoch: int, score: float) -> bool: ...  # True: stop here
+    def report(self, epoch: int, score: float) -> bool | str: ...  # True, False or PAUSE
 
     def finish(self, scores: list[float], stopped: bool) -> None: ...
 
@@ -214,7 +219,7 @@ class Policy(Protocol):
     startup: float  # seconds before a worker's first trial
     gap: float  # seconds between a trial's end and the worker's next trial
 
-    def ask(self) -> Running: ...
+    def ask(self) -> Running: ...  # a new trial, or a paused one it promotes
 
     def slowdown(self, model: str) -> float: ...  # its trial seconds over hpo's
 
@@ -412,14 +417,15 @@ class RayPolicy:
         return self.slowdowns.get(model, 1.0)
 
 
-@dataclass
+@dataclass(eq=False)
 class SyneRunning:
     policy: SynePolicy
     number: int
     config: Any
 
-    def report(self, epoch: int, score: float) -> bool:
-        return self.policy.scheduler.result(self.number, epoch, score)
+    def report(self, epoch: int, score: float) -> bool | str:
+        decision = self.policy.scheduler.result(self.number, epoch, score)
+        return PAUSE if decision == "pause" else decision == "stop"
 
     def finish(self, scores: list[float], stopped: bool) -> None:
         if not stopped:
@@ -428,7 +434,8 @@ class SyneRunning:
 
 @dataclass
 class SynePolicy:
-    """Syne Tune's BOHB (benchmarks/peer_syne.py says why this one), at its defaults."""
+    """A Syne Tune scheduler at its defaults (benchmarks/peer_syne.py: BOHB, and ASHA and
+    BOHB in promotion form, which pause trials at rungs and resume those they promote)."""
     name: str
     space: dict[str, BaseDistribution]
     config_of: Callable[[dict[str, Any]], Any]
@@ -439,6 +446,7 @@ class SynePolicy:
     slowdowns: dict[str, float] = field(default_factory=dict)
     gap: float = 0.0
     asked: int = 0
+    runs: dict[int, SyneRunning] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.scheduler = peer_syne.Scheduler(
@@ -446,9 +454,14 @@ class SynePolicy:
             self.epochs, self.seed, method=self.method)
 
     def ask(self) -> Running:
+        # As Syne Tune's tuner: the next trial's id is offered, and used only if the
+        # scheduler starts a new trial rather than resuming a paused one.
+        config, resumed = self.scheduler.suggest(self.asked + 1)
+        if resumed is not None:
+            return self.runs[resumed]
         self.asked += 1
-        config = self.scheduler.suggest(self.asked)
-        return SyneRunning(self, self.asked, self.config_of(config))
+        self.runs[self.asked] = SyneRunning(self, self.asked, self.config_of(config))
+        return self.runs[self.asked]
 
     def slowdown(self, model: str) -> float:
         return self.slowdowns.get(model, 1.0)
@@ -466,7 +479,7 @@ class Finished:
     end: float
     config: Any
     scores: tuple[float, ...]
-    state: str  # COMPLETE or PRUNED
+    state: str  # COMPLETE, PRUNED, or PAUSED (never resumed by the end)
 
     @property
     def value(self) -> float | None:
@@ -479,33 +492,48 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
              searches_batches: bool = False) -> list[Finished]:
     """The trials of one search, in the order they finished. Trials mode: `budget` trials.
     Compute mode (no budget): trials start until `horizon` (simulated seconds) and only those
-    finished by then count."""
+    finished by then count. A trial its policy pauses frees its worker; when the policy
+    promotes it, a free worker resumes it from its checkpoint at its next epoch (paying the
+    curve's set-up again, no epoch twice). Trials mode counts started trials: once `budget`
+    have started nothing starts or resumes."""
     events: list[tuple[float, int, int, int]] = []
     running: dict[int, tuple[Running, Curve, float, float]] = {}
+    paused: dict[int, tuple[int, int, Finished]] = {}  # id(run): its number, epoch, record
     tokenized: list[set[str]] = [set() for _ in range(workers)]
     searched: set[tuple[str, str, int]] = set()
     finished: list[Finished] = []
     counter = 0
+
+    def setup(worker: int, config: Any, curve: Curve) -> float:
+        seconds = curve.setup
+        if config.model not in tokenized[worker]:
+            tokenized[worker].add(config.model)
+            seconds += table.costs.tokenization.get(config.model, 0.0)
+        return seconds
 
     def start(worker: int, now: float) -> None:
         nonlocal counter
         if (counter >= budget) if budget is not None else (now >= horizon):
             return
         run = policy.ask()
+        if id(run) in paused:
+            number, epoch, record = paused.pop(id(run))
+            finished.remove(record)
+            _, curve, _, factor = running[number]
+            seconds = setup(worker, run.config, curve) + curve.seconds[epoch]
+            heapq.heappush(events, (now + seconds * factor, number, worker, epoch + 1))
+            return
         c = run.config
         curve = table.curve(c, world)
-        setup = curve.setup
-        if c.model not in tokenized[worker]:
-            tokenized[worker].add(c.model)
-            setup += table.costs.tokenization.get(c.model, 0.0)
+        seconds = setup(worker, c, curve)
         # hpo's first search per model and precision probes up to the physical limit.
         bound = (c.model, c.precision, table.max_physical)
         if searches_batches and bound not in searched:
             searched.add(bound)
-            setup += table.costs.batch_search.get(bound, 0.0)
+            seconds += table.costs.batch_search.get(bound, 0.0)
         factor = policy.slowdown(c.model)
         running[counter] = (run, curve, now, factor)
-        heapq.heappush(events, (now + (setup + curve.seconds[0]) * factor, counter, worker, 1))
+        heapq.heappush(events, (now + (seconds + curve.seconds[0]) * factor, counter, worker, 1))
         counter += 1
 
     for worker in range(workers):
@@ -516,12 +544,18 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
             break
         run, curve, began, factor = running[number]
         length = len(curve.scores)
-        stop = run.report(epoch, curve.scores[epoch - 1])
-        if epoch < length and not stop:
+        decision = run.report(epoch, curve.scores[epoch - 1])
+        if epoch < length and decision == PAUSE:
+            record = Finished(began, now, run.config, curve.scores[:epoch], "PAUSED")
+            finished.append(record)
+            paused[id(run)] = (number, epoch, record)
+            start(worker, now + policy.gap)
+            continue
+        if epoch < length and not decision:
             heapq.heappush(events, (now + curve.seconds[epoch] * factor, number, worker,
                                     epoch + 1))
             continue
-        pruned = stop and epoch < length
+        pruned = bool(decision) and epoch < length
         run.finish(list(curve.scores[:epoch]), pruned)
         del running[number]
         finished.append(Finished(began, now, run.config, curve.scores[:epoch],
@@ -781,10 +815,12 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
             study, "study.pruner.name=hyperband", "study.pruner.min_resource=1"),
             "tpe-hyperband"),
         # A user's Syne Tune script trains with the expert's Trainer set-up: its costs.
-        "bohb": lambda: (SynePolicy("bohb", space, of["expert"], seed, epochs,
-                                    startup=facts.startup.get("expert", 0.0),
-                                    slowdowns=slow.get("expert", {}),
-                                    gap=facts.gaps.get("expert", 0.0)), False),
+        **{name: functools.partial(
+            lambda name: (SynePolicy(name, space, of["expert"], seed, epochs, method=name,
+                                     startup=facts.startup.get("expert", 0.0),
+                                     slowdowns=slow.get("expert", {}),
+                                     gap=facts.gaps.get("expert", 0.0)), False), name)
+           for name in ("bohb", "asha-promotion", "bohb-promotion")},
     }
     if ground.demo:
         build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
@@ -830,6 +866,7 @@ def race(chosen: list[tuple[Policy, bool]], table: Any, world: int, setting: Set
             policy.close()
         out[policy.name] = {"steps": steps_of(trials), "trials": len(trials),
                             "pruned": sum(t.state == "PRUNED" for t in trials),
+                            "paused": sum(t.state == "PAUSED" for t in trials),
                             "reports": sum(len(t.scores) for t in trials),
                             "wall": round(wall(trials), 3)}
     end = horizon if setting.mode == "compute" else max(r["wall"] for r in out.values())
@@ -1122,8 +1159,8 @@ def main(argv: list[str] | None = None) -> None:
             tables.read(path)
         except (ValueError, KeyError) as error:  # json's errors are ValueErrors
             parser().error(f"table {path}: {error}")
-    if "bohb" in args.policies and not peer_syne.available():
-        parser().error(f"the bohb peer needs Syne Tune at {peer_syne.PYTHON}: "
+    if set(args.policies) & set(peer_syne.METHODS) and not peer_syne.available():
+        parser().error(f"the Syne Tune peers need Syne Tune at {peer_syne.PYTHON}: "
                        "python3 -m venv .venv-syne && .venv-syne/bin/pip install -r "
                        "benchmarks/peers/syne.txt (or leave it out of --policies)")
     result = run(args)

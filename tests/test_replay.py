@@ -188,6 +188,55 @@ def test_compute_mode_starts_trials_until_the_horizon_and_counts_those_done_by_t
     assert [t.end for t in trials] == [12.0, 18.0, 24.0] and len(policy.heard) == 4
 
 
+@dataclass
+class Promoting:
+    """Pauses trial 0 after its first epoch and promotes it once trial 1 has finished."""
+    configs: list[replay.Config]
+    name: str = "promoting"
+    startup: float = 1.0
+    gap: float = 0.0
+    runs: list[Promoting.Run] = field(default_factory=list)
+    promoted: list[Promoting.Run] = field(default_factory=list)
+
+    def ask(self) -> Promoting.Run:
+        if self.promoted:
+            return self.promoted.pop()
+        self.runs.append(Promoting.Run(self, len(self.runs), self.configs[len(self.runs)]))
+        return self.runs[-1]
+
+    def slowdown(self, model: str) -> float:
+        return 1.0
+
+    @dataclass(eq=False)
+    class Run:
+        policy: Promoting
+        number: int
+        config: replay.Config
+        epochs: list[int] = field(default_factory=list)
+
+        def report(self, epoch: int, score: float) -> bool | str:
+            self.epochs.append(epoch)
+            return replay.PAUSE if (self.number, epoch) == (0, 1) else False
+
+        def finish(self, scores: list[float], stopped: bool) -> None:
+            if self.number == 1:
+                self.policy.promoted.append(self.policy.runs[0])
+
+
+def test_a_paused_trial_frees_its_worker_and_resumes_at_its_next_epoch(curves):
+    policy = Promoting([config(TINY)] * 5)
+    trials = replay.simulate(policy, curves, 0, 1, horizon=21.0)
+    # Trial 0: start-up 1, set-up 2 + tokenization 5 + 1 epoch: paused at 9. Trial 1 runs
+    # 9 to 15 (2 + 4 x 1). Trial 0 resumes at 15: set-up 2 again, epochs 2-4 end at 18, 19,
+    # 20. Trial 2, started at 20, would end after the horizon.
+    assert [(t.start, t.end, t.state, len(t.scores)) for t in trials] == [
+        (9.0, 15.0, "COMPLETE", 4), (1.0, 20.0, "COMPLETE", 4)]
+    assert policy.runs[0].epochs == [1, 2, 3, 4]  # no epoch twice
+    short = Promoting([config(TINY)] * 5)
+    never = replay.simulate(short, curves, 0, 1, horizon=12.0)
+    assert [(t.end, t.state, t.value) for t in never] == [(9.0, "PAUSED", None)]
+
+
 def demo_study(*sets: str):
     from hpo import study_files
 
@@ -371,6 +420,31 @@ def test_bohb_is_syne_tunes_own_scheduler_in_its_environment():
     replay.peer_syne.shutdown()
     assert len(trials) == 20 and any(t.state == "PRUNED" for t in trials)
     assert all(set(t.config.as_dict()) == set(ground.table.space) for t in trials)
+
+
+def test_syne_tunes_promotion_asha_pauses_trials_and_resumes_those_it_promotes():
+    require(replay.peer_syne.available(), "Syne Tune's environment: python3 -m venv "
+            ".venv-syne && .venv-syne/bin/pip install -r benchmarks/peers/syne.txt")
+    ground = shipped()
+    (policy, _), = replay.policies(["asha-promotion"], ground, 0)
+    suggest, resumed = policy.scheduler.suggest, []
+
+    def counting(trial: int):
+        config, number = suggest(trial)
+        if number is not None:
+            resumed.append(number)
+        return config, number
+
+    policy.scheduler.suggest = counting
+    trials = replay.simulate(policy, ground.table, 0, 2, horizon=3000.0)
+    policy.close()
+    replay.peer_syne.shutdown()
+    states = {t.state for t in trials}
+    assert resumed and {"PAUSED", "COMPLETE"} <= states and "PRUNED" not in states
+    # A trial resumed runs on from its pause: each record holds each epoch once.
+    assert all(len(t.scores) <= ground.table.epochs for t in trials)
+    # One record per trial, however often it paused; the two running at the horizon, none.
+    assert policy.asked - len(trials) in (0, 1, 2)
 
 
 def test_without_syne_tunes_environment_bohb_is_refused_in_one_line(tmp_path, capsys,
