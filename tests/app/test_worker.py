@@ -252,21 +252,24 @@ def test_killed_worker_trial_is_failed_and_retried_by_a_waiting_worker(tiny_stud
     # One storage (one small connection pool) for all the polling below.
     storage = optuna.storages.RDBStorage(pg_url)
 
-    def running() -> int:
+    def claimed() -> int:
         try:
             study = optuna.load_study(study_name="tiny", storage=storage)
         except KeyError:
             return 0
-        return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+        return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, *FINISHED)))
 
     # Training settings are the worker's own (only the search space is pinned): the victim's
-    # trial outlasts the survivor's start-up, the survivor's trials are quick.
-    victim = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=1000", env=env)
+    # trial never ends by itself, the survivor's trials are quick. The survivor's first trial
+    # may start and end between two polls, so the wait is for its claim, not for it running.
+    victim = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=100000", env=env)
     survivor = None
     try:
-        wait_for(lambda: running() == 1 or victim.poll() is not None)
+        wait_for(lambda: claimed() == 1 or victim.poll() is not None)
+        assert victim.poll() is None, victim.stderr.read()[-2000:]
         survivor = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=5", env=env)
-        wait_for(lambda: running() == 2 or survivor.poll() is not None)
+        wait_for(lambda: claimed() == 2 or survivor.poll() is not None)
+        assert victim.poll() is None, victim.stderr.read()[-2000:]
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         # The survivor finishes its own trial, then has nothing to claim (1 finished + 1
