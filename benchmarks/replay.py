@@ -470,6 +470,80 @@ class SynePolicy:
         self.scheduler.close()
 
 
+@dataclass(eq=False)  # compared by identity: the policy's rungs hold runs, not values
+class PromotingRun:
+    policy: PromotionPolicy
+    trial: optuna.Trial
+    config: Any
+    scores: list[float] = field(default_factory=list)
+    rung: int = 0  # the next rung it pauses at
+
+    def report(self, epoch: int, score: float) -> bool | str:
+        self.scores.append(score)
+        self.trial.report(max(self.scores), epoch)
+        return self.policy.reached(self, epoch)
+
+    def finish(self, scores: list[float], stopped: bool) -> None:
+        self.policy.base.study.tell(self.trial, max(scores))
+
+
+@dataclass
+class PromotionPolicy:
+    """hpo's sampler and rungs in asynchronous successive halving's promotion form (Li et
+    al. 2020, as Syne Tune's `type="promotion"`): a trial pauses at each rung (hpo's
+    `min_resource` x `reduction_factor`^k epochs, below the last) and frees its worker; a
+    free worker resumes the best paused trial of the highest rung in whose top
+    1/reduction_factor it ranks (no rung promotes before it holds reduction_factor trials),
+    else starts a new one. Paused trials stay RUNNING to the sampler (its constant liar
+    counts them as poor); a finished one is told its best epoch. A replay-only policy:
+    hpo cannot pause a trial yet (issue 63)."""
+    name: str
+    base: OptunaPolicy
+    steps: tuple[int, ...]
+    reduction_factor: int
+    values: dict[int, list[tuple[float, PromotingRun]]] = field(default_factory=dict)
+    waiting: dict[int, list[PromotingRun]] = field(default_factory=dict)
+
+    @property
+    def startup(self) -> float:
+        return self.base.startup
+
+    @property
+    def gap(self) -> float:
+        return self.base.gap
+
+    def slowdown(self, model: str) -> float:
+        return self.base.slowdown(model)
+
+    def reached(self, run: PromotingRun, epoch: int) -> bool | str:
+        if run.rung >= len(self.steps) or epoch != self.steps[run.rung]:
+            return False
+        self.values.setdefault(run.rung, []).append((max(run.scores), run))
+        self.waiting.setdefault(run.rung, []).append(run)
+        run.rung += 1
+        return PAUSE
+
+    def ask(self) -> Running:
+        for rung in reversed(range(len(self.steps))):
+            ranked = sorted(self.values.get(rung, []), key=lambda v: -v[0])
+            for _, run in ranked[:len(ranked) // self.reduction_factor]:
+                if run in self.waiting[rung]:
+                    self.waiting[rung].remove(run)
+                    return run
+        trial = self.base.study.ask()
+        return PromotingRun(self, trial, self.base.sample(trial))
+
+
+def promoting(base: OptunaPolicy, study: config_module.StudyConfig, name: str
+              ) -> PromotionPolicy:
+    """`base` (hpo's search) in promotion form at the rungs of `study`'s pruner."""
+    pruner, epochs = study.study.pruner, study.training.epochs
+    first = pruner.first_rung(epochs)
+    steps = tuple(itertools.takewhile(
+        lambda s: s < epochs, (first * pruner.reduction_factor**k for k in itertools.count())))
+    return PromotionPolicy(name, base, steps, pruner.reduction_factor)
+
+
 # ---------------------------------------------------------------------------- simulation
 
 
@@ -822,6 +896,8 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
                                      gap=facts.gaps.get("expert", 0.0)), False), name)
            for name in ("bohb", "asha-promotion", "bohb-promotion")},
     }
+    build["hpo-promotion"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-promotion"),
+                                                study, "hpo-promotion"), ground.demo)
     if ground.demo:
         build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
     return build

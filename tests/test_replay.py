@@ -447,6 +447,32 @@ def test_syne_tunes_promotion_asha_pauses_trials_and_resumes_those_it_promotes()
     assert policy.asked - len(trials) in (0, 1, 2)
 
 
+def test_hpos_promotion_form_pauses_at_its_rungs_and_promotes_a_rungs_top_third():
+    ground = shipped()  # hpo's schema defaults on 4 epochs: rungs at 1 and 3
+    (policy, _), = replay.policies(["hpo-promotion"], ground, 0)
+    assert (policy.steps, policy.reduction_factor) == ((1, 3), 3)
+    first, second, third = (policy.ask() for _ in range(3))
+    assert [r.trial.number for r in (first, second, third)] == [0, 1, 2]
+    for run, score in ((first, 0.5), (second, 0.9)):
+        assert run.report(1, score) == replay.PAUSE
+    # Two trials at rung 0: none is in a top third yet, so a new trial starts.
+    assert policy.ask() is not first and policy.waiting[0] == [first, second]
+    assert third.report(1, 0.1) == replay.PAUSE
+    # Three: the best (second) is promoted, and runs on to its next rung.
+    assert policy.ask() is second and policy.waiting[0] == [first, third]
+    assert [second.report(e, 0.9) for e in (2, 3)] == [False, replay.PAUSE]
+    assert second.rung == 2 and policy.ask().trial.number == 4
+    # Paused trials stay RUNNING to the sampler; a finished one is told its best epoch.
+    second.finish([0.9] * 4, False)
+    states = {t.number: t.state for t in policy.base.study.trials}
+    assert states[1] == optuna.trial.TrialState.COMPLETE
+    assert states[0] == optuna.trial.TrialState.RUNNING
+    trials = replay.simulate(replay.policies(["hpo-promotion"], ground, 1)[0][0],
+                             ground.table, 1, 2, horizon=20000.0)
+    assert {"PAUSED", "COMPLETE"} <= {t.state for t in trials}
+    assert all(len(t.scores) <= ground.table.epochs for t in trials)
+
+
 def test_without_syne_tunes_environment_bohb_is_refused_in_one_line(tmp_path, capsys,
                                                                      monkeypatch):
     monkeypatch.setattr(replay.peer_syne, "PYTHON", tmp_path / "none")

@@ -264,6 +264,18 @@ class PrunerConfig(_Section):
     better than at 1, where on the demo's it is 1 as before (benchmarks/README.md)."""
     reduction_factor: Annotated[int, Field(ge=2)] = 3
     """successive_halving, hyperband: the share (1/reduction_factor) kept at each rung."""
+    min_rung_trials: Annotated[int, Field(ge=1)] = 1
+    """successive_halving: a rung stops trials only once this many have reached it (1: from
+    the second trial on, as Optuna's, which stops it unless it beats the first)."""
+    min_rung_agreement: Annotated[float, Field(ge=-1.0, le=1.0)] | None = None
+    """successive_halving: a rung stops trials only once its ranking agrees with the end:
+    Kendall's tau between the value at the rung and the final value, over the finished trials
+    that reported there (at least 5), is at least this. Until then trials pass it unchecked.
+    null: no such check (Optuna's rule)."""
+
+    def on_evidence(self) -> bool:
+        """Whether a rung waits for evidence (hpo's `EvidenceHalvingPruner`, not Optuna's)."""
+        return self.min_rung_trials > 1 or self.min_rung_agreement is not None
 
     @field_validator("min_resource", mode="before")
     @classmethod

@@ -349,3 +349,19 @@ def test_an_auto_first_rung_comes_after_a_reduction_factor_squared_th_of_the_ste
     make_pruner(load(tiny_study, [*overrides, f"study.pruner.name={name}",
                                   "study.pruner.min_resource=auto"]))
     assert made["min_resource"] == first
+
+
+def test_a_pruner_that_waits_for_evidence_is_hpos_own(tiny_study):
+    from hpo.search.pruning import EvidenceHalvingPruner
+    from hpo.search.study import make_pruner
+
+    pruner = make_pruner(load(tiny_study, [
+        "training.epochs=52", "study.pruner.name=successive_halving",
+        "study.pruner.min_rung_trials=4",
+        "study.pruner.min_rung_agreement=0.3"]))
+    assert isinstance(pruner, EvidenceHalvingPruner)
+    assert (pruner.min_resource, pruner.reduction_factor, pruner.max_resource) == (6, 3, 52)
+    assert (pruner.min_trials, pruner.min_agreement) == (4, 0.3)
+    plain = make_pruner(load(tiny_study, ["training.epochs=52",
+                                          "study.pruner.name=successive_halving"]))
+    assert isinstance(plain, optuna.pruners.SuccessiveHalvingPruner)

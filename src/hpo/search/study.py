@@ -16,7 +16,7 @@ from hpo.config import ADAPTER_RATE, SearchSpace, StudyConfig
 from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
-from hpo.search import budget, release
+from hpo.search import budget, pruning, release
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.storage import retry_callback
 from hpo.space import PIN_ATTR, PinnedSpace, StepCosts, by_cost, pin
@@ -122,6 +122,12 @@ def make_pruner(config: StudyConfig) -> optuna.pruners.BasePruner:
     if pruner.name == "median":
         return optuna.pruners.MedianPruner(
             n_startup_trials=pruner.n_startup_trials, n_warmup_steps=pruner.n_warmup_steps
+        )
+    if pruner.name == "successive_halving" and pruner.on_evidence():
+        return pruning.EvidenceHalvingPruner(
+            min_resource=first, reduction_factor=pruner.reduction_factor,
+            max_resource=config.max_steps(), min_trials=pruner.min_rung_trials,
+            min_agreement=pruner.min_rung_agreement,
         )
     if pruner.name == "successive_halving":
         return optuna.pruners.SuccessiveHalvingPruner(
