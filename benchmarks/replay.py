@@ -501,6 +501,9 @@ class PromotionPolicy:
     base: OptunaPolicy
     steps: tuple[int, ...]
     reduction_factor: int
+    # Pause only what stopping successive halving would stop: a trial in its rung's top
+    # 1/reduction_factor when it arrives (the best of fewer) goes straight on.
+    eager: bool = False
     values: dict[int, list[tuple[float, PromotingRun]]] = field(default_factory=dict)
     waiting: dict[int, list[PromotingRun]] = field(default_factory=dict)
 
@@ -518,30 +521,38 @@ class PromotionPolicy:
     def reached(self, run: PromotingRun, epoch: int) -> bool | str:
         if run.rung >= len(self.steps) or epoch != self.steps[run.rung]:
             return False
-        self.values.setdefault(run.rung, []).append((max(run.scores), run))
-        self.waiting.setdefault(run.rung, []).append(run)
+        value = max(run.scores)
+        self.values.setdefault(run.rung, []).append((value, run))
         run.rung += 1
+        if self.eager and run in self.top(run.rung - 1):
+            return False
+        self.waiting.setdefault(run.rung - 1, []).append(run)
         return PAUSE
+
+    def top(self, rung: int) -> list[PromotingRun]:
+        """The runs in rung `rung`'s top 1/reduction_factor (eager: the best of fewer)."""
+        ranked = sorted(self.values.get(rung, []), key=lambda v: -v[0])
+        keep = len(ranked) // self.reduction_factor
+        return [run for _, run in ranked[:max(keep, 1) if self.eager else keep]]
 
     def ask(self) -> Running:
         for rung in reversed(range(len(self.steps))):
-            ranked = sorted(self.values.get(rung, []), key=lambda v: -v[0])
-            for _, run in ranked[:len(ranked) // self.reduction_factor]:
-                if run in self.waiting[rung]:
+            for run in self.top(rung):
+                if run in self.waiting.get(rung, []):
                     self.waiting[rung].remove(run)
                     return run
         trial = self.base.study.ask()
         return PromotingRun(self, trial, self.base.sample(trial))
 
 
-def promoting(base: OptunaPolicy, study: config_module.StudyConfig, name: str
-              ) -> PromotionPolicy:
+def promoting(base: OptunaPolicy, study: config_module.StudyConfig, name: str,
+              eager: bool = False) -> PromotionPolicy:
     """`base` (hpo's search) in promotion form at the rungs of `study`'s pruner."""
     pruner, epochs = study.study.pruner, study.training.epochs
     first = pruner.first_rung(epochs)
     steps = tuple(itertools.takewhile(
         lambda s: s < epochs, (first * pruner.reduction_factor**k for k in itertools.count())))
-    return PromotionPolicy(name, base, steps, pruner.reduction_factor)
+    return PromotionPolicy(name, base, steps, pruner.reduction_factor, eager)
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -898,6 +909,8 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
     }
     build["hpo-promotion"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-promotion"),
                                                 study, "hpo-promotion"), ground.demo)
+    build["hpo-pause"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-pause"),
+                                            study, "hpo-pause", eager=True), ground.demo)
     if ground.demo:
         build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
     return build

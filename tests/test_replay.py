@@ -473,6 +473,20 @@ def test_hpos_promotion_form_pauses_at_its_rungs_and_promotes_a_rungs_top_third(
     assert all(len(t.scores) <= ground.table.epochs for t in trials)
 
 
+def test_hpos_pause_form_pauses_only_what_stopping_would_stop_and_resumes_it_later():
+    ground = shipped()
+    (policy, _), = replay.policies(["hpo-pause"], ground, 0)
+    assert policy.eager and policy.steps == (1, 3)
+    runs = [policy.ask() for _ in range(6)]
+    # The first goes on (the best of one); the next, each worse, would be stopped: paused.
+    verdicts = [run.report(1, score) for run, score in
+                zip(runs, (0.5, 0.3, 0.2, 0.1, 0.05, 0.04), strict=True)]
+    assert verdicts == [False] + [replay.PAUSE] * 5
+    # Six at the rung: its top third is two, so the second is resumed before anything new.
+    assert policy.ask() is runs[1]
+    assert policy.ask().trial.number == 6
+
+
 def test_without_syne_tunes_environment_bohb_is_refused_in_one_line(tmp_path, capsys,
                                                                      monkeypatch):
     monkeypatch.setattr(replay.peer_syne, "PYTHON", tmp_path / "none")
