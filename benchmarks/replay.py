@@ -504,6 +504,9 @@ class PromotionPolicy:
     # Pause only what stopping successive halving would stop: a trial in its rung's top
     # 1/reduction_factor when it arrives (the best of fewer) goes straight on.
     eager: bool = False
+    # Tell a paused trial PRUNED, and resume it as a new trial of the same parameters (Optuna
+    # has no PRUNED -> RUNNING): the sampler then sees a pause as it sees a stop.
+    tell_paused: bool = False
     values: dict[int, list[tuple[float, PromotingRun]]] = field(default_factory=dict)
     waiting: dict[int, list[PromotingRun]] = field(default_factory=dict)
 
@@ -527,7 +530,16 @@ class PromotionPolicy:
         if self.eager and run in self.top(run.rung - 1):
             return False
         self.waiting.setdefault(run.rung - 1, []).append(run)
+        if self.tell_paused:
+            self.base.study.tell(run.trial, state=TrialState.PRUNED)
         return PAUSE
+
+    def resume(self, run: PromotingRun) -> PromotingRun:
+        if self.tell_paused:
+            self.base.study.enqueue_trial(run.trial.params)
+            run.trial = self.base.study.ask()
+            self.base.sample(run.trial)
+        return run
 
     def top(self, rung: int) -> list[PromotingRun]:
         """The runs in rung `rung`'s top 1/reduction_factor (eager: the best of fewer)."""
@@ -540,19 +552,19 @@ class PromotionPolicy:
             for run in self.top(rung):
                 if run in self.waiting.get(rung, []):
                     self.waiting[rung].remove(run)
-                    return run
+                    return self.resume(run)
         trial = self.base.study.ask()
         return PromotingRun(self, trial, self.base.sample(trial))
 
 
 def promoting(base: OptunaPolicy, study: config_module.StudyConfig, name: str,
-              eager: bool = False) -> PromotionPolicy:
+              eager: bool = False, tell_paused: bool = False) -> PromotionPolicy:
     """`base` (hpo's search) in promotion form at the rungs of `study`'s pruner."""
     pruner, epochs = study.study.pruner, study.training.epochs
     first = pruner.first_rung(epochs)
     steps = tuple(itertools.takewhile(
         lambda s: s < epochs, (first * pruner.reduction_factor**k for k in itertools.count())))
-    return PromotionPolicy(name, base, steps, pruner.reduction_factor, eager)
+    return PromotionPolicy(name, base, steps, pruner.reduction_factor, eager, tell_paused)
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -911,6 +923,9 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
                                                 study, "hpo-promotion"), ground.demo)
     build["hpo-pause"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-pause"),
                                             study, "hpo-pause", eager=True), ground.demo)
+    build["hpo-pause-pruned"] = lambda: (promoting(
+        hpo_policy(study, ground, seed, "hpo-pause-pruned"), study, "hpo-pause-pruned",
+        eager=True, tell_paused=True), ground.demo)
     if ground.demo:
         build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
     return build

@@ -487,6 +487,22 @@ def test_hpos_pause_form_pauses_only_what_stopping_would_stop_and_resumes_it_lat
     assert policy.ask().trial.number == 6
 
 
+def test_a_pause_told_as_pruned_resumes_as_a_new_trial_of_the_same_parameters():
+    ground = shipped()
+    (policy, _), = replay.policies(["hpo-pause-pruned"], ground, 0)
+    runs = [policy.ask() for _ in range(6)]
+    for run, score in zip(runs, (0.5, 0.3, 0.2, 0.1, 0.05, 0.04), strict=True):
+        run.report(1, score)
+    study = policy.base.study
+    assert [t.state.name for t in study.trials] == ["RUNNING"] + ["PRUNED"] * 5
+    paused = runs[1].trial
+    assert policy.ask() is runs[1] and runs[1].trial.number == 6
+    assert runs[1].trial.params == paused.params
+    runs[1].report(2, 0.3)
+    runs[1].finish([0.3, 0.3, 0.3, 0.3], False)
+    assert study.trials[6].state.name == "COMPLETE" and study.trials[1].state.name == "PRUNED"
+
+
 def test_without_syne_tunes_environment_bohb_is_refused_in_one_line(tmp_path, capsys,
                                                                      monkeypatch):
     monkeypatch.setattr(replay.peer_syne, "PYTHON", tmp_path / "none")
