@@ -853,8 +853,10 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
     """The peers as their users build them with the installed Optuna (each setting stated
     in benchmarks/README.md, "The search yardstick"): `novice`, `expert`, `ray` (ASHA at
     Ray's reduction factor 4), `ray-rf2`, `random`, `tpe-hyperband`, `bohb` (Syne Tune's),
-    `prior` (the demo), hpo itself, and the null checks `expert-copy` (other seeds) and
-    `hpo-as-expert` (hpo's code path set as the expert, at the expert's costs)."""
+    `prior` (the demo), hpo itself, the null checks `expert-copy` (other seeds) and
+    `hpo-as-expert` (hpo's code path set as the expert, at the expert's costs), and issue
+    63's replay-only candidates `hpo-promotion`, `hpo-pause`, `hpo-pause-pruned`
+    (`PromotionPolicy`)."""
     study, table, facts = ground.study, ground.table, ground.facts
     startup = study.study.sampler.n_startup_trials
     epochs = ground.epochs
