@@ -102,6 +102,7 @@ class EvidenceHalvingPruner(BasePruner):
         while rung_key(rung) in trial.system_attrs:
             rung += 1
         trials: list[FrozenTrial] | None = None
+        maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
         while step >= self.rung_step(rung) and self.rung_step(rung) < self.max_resource:
             if math.isnan(value):
                 return True
@@ -112,9 +113,10 @@ class EvidenceHalvingPruner(BasePruner):
             competing = [t.system_attrs[rung_key(rung)] for t in trials
                          if t.number != trial.number and rung_key(rung) in t.system_attrs]
             competing.append(value)
-            maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
-            if (len(competing) >= self.min_trials and self.trusts(trials, rung)
-                    and not in_top(value, competing, self.reduction_factor, maximize)):
+            # The agreement (quadratic in the finished trials) only for a trial it would stop.
+            if (len(competing) >= self.min_trials
+                    and not in_top(value, competing, self.reduction_factor, maximize)
+                    and self.trusts(trials, rung)):
                 return True
             rung += 1
         return False
