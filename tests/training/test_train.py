@@ -20,6 +20,8 @@ from hpo.training.train import (
     CompiledOrEager,
     Hooks,
     NonFiniteLoss,
+    Paused,
+    PauseHere,
     Plan,
     Progress,
     as_epochs,
@@ -167,6 +169,49 @@ def test_mfu_is_the_achieved_rate_over_the_devices_peak_in_the_trials_precision(
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])
+def _weights_score(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+@pytest.mark.parametrize(("per_epoch", "pause_at", "precision"),
+                         [(1, 1, "none"), (2, 3, "none"), (1, 2, "fp16")])
+def test_a_paused_run_resumed_in_a_fresh_model_ends_as_the_run_that_never_stopped(
+        setup, tiny_model, per_epoch, pause_at, precision):
+    import io
+    store, tokenizer, data = setup
+    device = detect("cpu")
+    p = plan(epochs=3, evaluations_per_epoch=per_epoch, precision=precision)
+    straight: list[tuple[int, float]] = []
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    whole = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+                  hooks=Hooks(_weights_score, lambda i, s: straight.append((i, s))))
+
+    def pause(index: int, score: float) -> None:
+        paused.append((index, score))
+        if index == pause_at:
+            raise PauseHere
+
+    paused: list[tuple[int, float]] = []
+    model = prepare(store.build(str(tiny_model), 9, seed=0), p, device)
+    with pytest.raises(Paused) as stopped:
+        train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+              hooks=Hooks(_weights_score, pause))
+    assert stopped.value.state.evaluations == pause_at
+    # Through the bytes a checkpoint is stored as, into a model built from another seed.
+    buffer = io.BytesIO()
+    torch.save(stopped.value.state, buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    model = prepare(store.build(str(tiny_model), 9, seed=1), p, device)
+    resumed = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
+                    hooks=Hooks(_weights_score, lambda i, s: paused.append((i, s))),
+                    resume=state)
+    assert [i for i, _ in paused] == [i for i, _ in straight]
+    assert paused == straight  # every step taken once, with the same draws: bit for bit
+    assert resumed.samples == whole.samples and resumed.step == whole.step
+    assert len(resumed.epoch_seconds) == len(whole.epoch_seconds)
+
+
 def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
         setup, tiny_model, precision, monkeypatch):
     scalers = []

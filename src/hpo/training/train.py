@@ -8,6 +8,7 @@ summed per-sample loss is divided by the step's sample count, not by its own siz
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -350,24 +351,113 @@ def _ignored(*_: object) -> None:
     return None
 
 
+class PauseHere(Exception):
+    """Raised by `Hooks.on_evaluation` to pause the run after that evaluation: `train` answers
+    with `Paused`, which holds where the run stands."""
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Where a run stands after an evaluation: enough for `train` to go on from there as if
+    it had never stopped (no step repeated or skipped, the same schedule, the same data order
+    and random draws). The tensors are the live ones, not copies: save them before the model
+    trains on."""
+
+    evaluations: int
+    optimizer_steps: int
+    epoch: int  # the epoch it stopped in (1-based)
+    step: int  # that epoch's optimizer steps done
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    scaler: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    progress: Progress
+
+
+class Paused(Exception):
+    """A run paused after an evaluation (`PauseHere`): `state` says where it stands."""
+
+    def __init__(self, state: TrainState) -> None:
+        super().__init__(f"paused after evaluation {state.evaluations}")
+        self.state = state
+
+
+def rng_state(device: Device) -> dict[str, torch.Tensor]:
+    """The random state dropout draws from: the host's generator, and the device's own."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device.torch_device)
+    return state
+
+
+def set_rng_state(device: Device, state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device.torch_device)
+
+
 @dataclass(frozen=True)
 class Hooks:
     """What a training run calls out to: `evaluate` scores the model at each evaluation
     point (`evaluation_points`), `on_evaluation` hears its 1-based index and the score (and
-    may raise optuna.TrialPruned to stop), `on_step` hears the progress after each step."""
+    may raise optuna.TrialPruned to stop, or `PauseHere` to pause), `on_step` hears the
+    progress after each step."""
 
     evaluate: Callable[[torch.nn.Module], float]
     on_evaluation: Callable[[int, float], None] = _ignored
     on_step: Callable[[Progress], None] = _ignored
 
 
+@dataclass
+class _Position:
+    """Where a run stands: the epoch it is in (1-based), that epoch's optimizer steps done,
+    and the run's optimizer steps and evaluations."""
+
+    epoch: int = 1
+    step: int = 0
+    optimizer_steps: int = 0
+    evaluations: int = 0
+
+
+@dataclass(frozen=True)
+class _Run:
+    model: torch.nn.Module
+    plan: Plan
+    device: Device
+    stepper: Stepper
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    progress: Progress
+
+    def state(self, at: _Position) -> TrainState:
+        # An epoch's end is the next one's start: resumed there, no epoch is begun twice.
+        epoch, step = ((at.epoch + 1, 0) if at.step == self.progress.steps_per_epoch
+                       else (at.epoch, at.step))
+        return TrainState(
+            at.evaluations, at.optimizer_steps, epoch, step, self.model.state_dict(),
+            self.stepper.optimizer.state_dict(), self.scheduler.state_dict(),
+            self.stepper.scaler.state_dict(), rng_state(self.device), self.progress)
+
+    def restore(self, state: TrainState) -> _Position:
+        """The run put where `state` stood: weights, optimizer, schedule, scaler and
+        counters (the model's weights first, as the optimizer's state is keyed by its
+        parameters); the random state is the loop's to put back, where the run stood."""
+        self.model.load_state_dict(state.model)
+        self.stepper.optimizer.load_state_dict(state.optimizer)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.stepper.scaler.load_state_dict(state.scaler)
+        for name, value in dataclasses.asdict(state.progress).items():
+            setattr(self.progress, name, value)
+        return _Position(state.epoch, state.step, state.optimizer_steps, state.evaluations)
+
+
 def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Device, *,
-          pad_id: int, hooks: Hooks) -> Progress:
+          pad_id: int, hooks: Hooks, resume: TrainState | None = None) -> Progress:
     """Train for `plan.epochs` (or up to its `stop_after`-th evaluation), evaluating and
-    reporting through `hooks`."""
+    reporting through `hooks`; from where a paused run stood, if it `resume`s one. A hook
+    that raises `PauseHere` ends it with `Paused`."""
     torch.manual_seed(plan.seed)
     stepper = Stepper.fresh(model, plan, device)
-    scaler = stepper.scaler
     lengths = train_data.lengths
     steps_per_epoch = _steps_per_epoch(len(lengths), plan)
     points = evaluation_points(steps_per_epoch, plan.evaluations_per_epoch)
@@ -376,43 +466,45 @@ def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Devic
     scheduler = get_linear_schedule_with_warmup(
         stepper.optimizer, round(plan.warmup_ratio * total_steps), total_steps
     )
-    sampler = PlannedBatches()
-    loader = _loader(train_data, pad_id, device, sampler)
     progress = Progress(steps_per_epoch=steps_per_epoch,
                         peak_flops=peak_flops(device, plan.precision))
+    run = _Run(model, plan, device, stepper, scheduler, progress)
+    at = run.restore(resume) if resume is not None else _Position()
+    sampler = PlannedBatches()
+    loader = _loader(train_data, pad_id, device, sampler)
     flops = model_flops(model)
-    non_blocking = device.type == "cuda"
     pos_weight = loss_pos_weight(plan.pos_weight, train_data.labels)
     if pos_weight is not None:
         pos_weight = pos_weight.to(device.torch_device)
-    optimizer_steps = evaluations = 0
-    for epoch in range(1, last + 2):
-        progress.epoch, progress.step = epoch, 0
+    for epoch in range(at.epoch, last + 2):
+        done = at.step if epoch == at.epoch else 0
+        at.epoch, at.step = epoch, done
+        progress.epoch, progress.step = epoch, done
         steps = training_steps(
             lengths, plan.effective_batch, plan.physical_batch, seed=plan.seed, epoch=epoch
-        )
+        )[done:]
         sampler.batches = [micro for step in steps for micro in step]
+        # The random state goes back where the paused run drew next: an epoch's loader
+        # draws its seed as it starts, so before a new epoch's, after a resumed one's.
+        if resume is not None and epoch == resume.epoch and not done:
+            set_rng_state(device, resume.rng)
         batches = iter(loader)
+        if resume is not None and epoch == resume.epoch and done:
+            set_rng_state(device, resume.rng)
         started = time.perf_counter()
         for step in steps:
             running = torch.zeros((), device=device.torch_device)
             for _ in step:
                 host = next(batches)
                 progress.count(host["attention_mask"], flops)
-                batch = {
-                    k: v.to(device.torch_device, non_blocking=non_blocking)
-                    for k, v in host.items()
-                }
-                with autocast(device, plan.precision):
-                    loss = micro_batch_loss(model, batch, plan.effective_batch, pos_weight)
-                scaler.scale(loss).backward()
-                running += loss.detach()
+                running += _micro_step(run, host, pos_weight)
             _check_finite(float(running), epoch, progress.step + 1)  # the step's one sync
-            optimizer_steps += 1
-            faults.before_optimizer_step(optimizer_steps)
+            at.optimizer_steps += 1
+            faults.before_optimizer_step(at.optimizer_steps)
             stepper.step(model, plan.max_grad_norm)
             scheduler.step()
             progress.step += 1
+            at.step = progress.step
             progress.samples += plan.effective_batch
             progress.step_seconds += time.perf_counter() - started
             started = time.perf_counter()
@@ -420,16 +512,40 @@ def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Devic
             due = points.count(progress.step)
             if not due:
                 continue
-            score = _evaluate(model, hooks.evaluate, progress, scaler)
-            for repeat in range(min(due, plan.evaluations - evaluations)):
-                evaluations += 1
-                if repeat:  # one evaluation serving two points: the second took no time
-                    progress.epoch_seconds.append(0.0)
-                hooks.on_evaluation(evaluations, score)
-            if evaluations == plan.evaluations:
+            _evaluations(run, hooks, at, due)
+            if at.evaluations == plan.evaluations:
                 return progress
             started = time.perf_counter()
     return progress
+
+
+def _micro_step(run: _Run, host: dict[str, torch.Tensor], pos_weight: torch.Tensor | None
+                ) -> torch.Tensor:
+    """One micro-batch's forward and backward pass; returns its loss share, on the device."""
+    device = run.device
+    non_blocking = device.type == "cuda"
+    batch = {k: v.to(device.torch_device, non_blocking=non_blocking) for k, v in host.items()}
+    with autocast(device, run.plan.precision):
+        loss = micro_batch_loss(run.model, batch, run.plan.effective_batch, pos_weight)
+    run.stepper.scaler.scale(loss).backward()
+    return loss.detach()
+
+
+def _evaluations(run: _Run, hooks: Hooks, at: _Position, due: int) -> None:
+    """The model scored once for the `due` evaluation points this step ends, each heard by
+    the hooks; a hook's `PauseHere` becomes `Paused`, with where the run stands."""
+    score = _evaluate(run.model, hooks.evaluate, run.progress, run.stepper.scaler)
+    pause = False
+    for repeat in range(min(due, run.plan.evaluations - at.evaluations)):
+        at.evaluations += 1
+        if repeat:  # one evaluation serving two points: the second took no time
+            run.progress.epoch_seconds.append(0.0)
+        try:
+            hooks.on_evaluation(at.evaluations, score)
+        except PauseHere:
+            pause = True  # after the points this step serves: a resume starts past them
+    if pause:
+        raise Paused(run.state(at))
 
 
 def _check_finite(loss: float, epoch: int, step: int) -> None:
