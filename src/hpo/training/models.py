@@ -16,7 +16,7 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import huggingface_hub
 import torch
@@ -196,7 +196,9 @@ class ModelStore:
 
 def _from_pretrained(source: str, num_labels: int) -> PreTrainedModel:
     # A checkpoint's own head (if any) has another shape; it is replaced, not an error.
-    kwargs = {
+    # Any: transformers 5.2x types from_pretrained's named arguments one by one, and a
+    # dict of mixed values matches none of them.
+    kwargs: dict[str, Any] = {
         "num_labels": num_labels,
         "problem_type": "multi_label_classification",
         "ignore_mismatched_sizes": True,
