@@ -68,6 +68,36 @@ def test_a_rung_pruner_needs_fewer_min_resource_epochs_than_a_trial_reports(tmp_
                               "study.pruner.min_resource=2"]).max_steps() == 3
 
 
+@pytest.mark.parametrize(("overrides", "why"), [
+    (["study.pruner.name=hyperband"], "study.pruner.pause needs successive_halving, not "
+                                      "hyperband"),
+    (["data.cv_folds=3"], r"study.pruner.pause cannot pause a cross-validated trial"),
+])
+def test_pausing_trials_needs_successive_halving_and_one_model_per_trial(tmp_path, overrides,
+                                                                         why):
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    pausing = ["training.epochs=4", "study.pruner.name=successive_halving",
+               "study.pruner.pause=true"]
+    with pytest.raises(ConfigError, match=why):
+        load(path, [*pausing, *overrides])
+    assert load(path, pausing).study.pruner.pause
+
+
+def test_pausing_trials_needs_an_artifact_store_for_their_checkpoints(tmp_path):
+    from hpo.search.artifacts import checkpoint_store
+
+    config = load(write_study(tmp_path, study_dict(["m"], tmp_path)),
+                  ["study.pruner.name=successive_halving", "study.pruner.pause=true"])
+    with pytest.raises(ConfigError, match="study.pruner.pause keeps paused trials' "
+                                          "checkpoints in the artifact store: set "
+                                          "study.artifacts"):
+        checkpoint_store(config, "postgresql://h/db")
+    assert checkpoint_store(config, f"sqlite:///{tmp_path / 'hpo.db'}") is not None
+    assert (tmp_path / "hpo-artifacts").is_dir()
+    assert checkpoint_store(load(write_study(tmp_path, study_dict(["m"], tmp_path))),
+                            "postgresql://h/db") is None  # a study that stops trials
+
+
 @pytest.mark.parametrize("value", ["x", 0, 2.5, True, "6"])
 def test_min_resource_is_auto_or_a_whole_number_of_epochs(tmp_path, value):
     data = study_dict(["m"], tmp_path)

@@ -273,6 +273,12 @@ class PrunerConfig(_Section):
     that reported there (at least 5), is at least this. Until then trials pass it unchecked.
     null: no such check (Optuna's rule)."""
 
+    pause: bool = False
+    """successive_halving: a trial its rung would stop pauses instead (its checkpoint kept in
+    the artifact store) and resumes, on any worker, once enough later trials rank below it
+    (asynchronous successive halving's promotion form); what is still paused when the budget
+    is spent ends pruned. false: stopped for good (Optuna's rule). Not under cv_folds."""
+
     def on_evidence(self) -> bool:
         """Whether a rung waits for evidence (hpo's `EvidenceHalvingPruner`, not Optuna's)."""
         return self.min_rung_trials > 1 or self.min_rung_agreement is not None
@@ -455,6 +461,16 @@ class StudyConfig(_Section):
                 self.training.lora_alpha is not None):
             raise ValueError("search_space.lora_alpha_ratio is searched, but training.lora_alpha "
                              "fixes alpha: remove one")
+        return self
+
+    @model_validator(mode="after")
+    def _pause(self) -> StudyConfig:
+        pruner = self.study.pruner
+        if pruner.pause and pruner.name != "successive_halving":
+            raise ValueError(f"study.pruner.pause needs successive_halving, not {pruner.name}")
+        if pruner.pause and self.data.cv_folds:
+            raise ValueError("study.pruner.pause cannot pause a cross-validated trial "
+                             "(data.cv_folds): set pause false")
         return self
 
     @model_validator(mode="after")

@@ -17,7 +17,8 @@ HPO_FAULT_KILL_AT=POINT       the worker kills itself with SIGKILL (an eviction,
                               at POINT of its first trial: `claim` (holding the study lock,
                               just after claiming), `heartbeat` (before the trial's first
                               heartbeat), `train` (at the second optimizer step), `tell` (with
-                              the result, just before telling the study).
+                              the result, just before telling the study), `resume` (in a
+                              trial resumed from its checkpoint, at its first optimizer step).
 HPO_FAULT_COMPILE=forward|backward
                               torch.compile's compiler fails on the model's forward graph, or
                               on its backward graph (which torch compiles at the first
@@ -46,7 +47,7 @@ KILL_AT = "HPO_FAULT_KILL_AT"
 NAN_LOSS = "HPO_FAULT_NAN_LOSS"
 COMPILE = "HPO_FAULT_COMPILE"
 GPUS = "HPO_FAULT_GPUS"
-KILL_POINTS = ("claim", "heartbeat", "train", "tell")
+KILL_POINTS = ("claim", "heartbeat", "train", "tell", "resume")
 COMPILE_GRAPHS = ("forward", "backward")
 
 
@@ -168,11 +169,14 @@ def _install_nan(model: torch.nn.Module, precision: str) -> None:
     model.register_forward_hook(hook)
 
 
-def before_optimizer_step(step: int) -> None:
+def before_optimizer_step(step: int, resumed: bool = False) -> None:
     """Raise once at the configured optimizer step (1-based, counted per trial); die at the
-    second with HPO_FAULT_KILL_AT=train."""
+    second with HPO_FAULT_KILL_AT=train, at a resumed run's first (`resumed`) with
+    HPO_FAULT_KILL_AT=resume."""
     if step == 2:
         kill_at("train")
+    if resumed:
+        kill_at("resume")
     if step == _int_env(OOM_AT_STEP):
         import torch
 

@@ -24,6 +24,9 @@ class Outcome:
     # claim, nowhere (`dropped` says why).
     kept_from: int | None = None
     dropped: str | None = None
+    # The trial paused at this step (`study.pruner.pause`): it stays RUNNING, its checkpoint
+    # in the store, until a worker resumes it.
+    paused_at: int | None = None
 
 
 def as_told(trial: FrozenTrial) -> Outcome:

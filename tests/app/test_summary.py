@@ -51,8 +51,33 @@ def test_a_study_without_a_completed_trial_has_no_best(tiny_study, tmp_path, cap
                  "--format", "json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["best"] is None and info["running"] == []
-    assert info["counts"] == {"COMPLETE": 0, "PRUNED": 0, "RUNNING": 0, "WAITING": 0, "FAIL": 0,
+    assert info["counts"] == {"COMPLETE": 0, "PRUNED": 0, "RUNNING": 0, "PAUSED": 0,
+                              "WAITING": 0, "FAIL": 0,
                               "INTERRUPTED": 0}
+
+
+def test_status_counts_paused_trials_apart_and_says_where_each_stands():
+    from hpo.app.summary import render_status, status
+    from hpo.search import pausing
+
+    study = optuna.create_study(direction="maximize")
+    marks = [{pausing.PAUSED_AT: 3, pausing.PAUSES: [1, 3], pausing.RESUMES: [1]},
+             {pausing.PAUSED_AT: None, pausing.PAUSES: [1], pausing.RESUMES: [1]}, {}]
+    for number, attrs in enumerate(marks):
+        trial = study.ask()
+        trial.suggest_float("learning_rate", 1e-5, 1e-3, log=True)
+        trial.set_user_attr("worker", f"node:{number}")
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+    info = status(study)
+    assert (info["counts"]["RUNNING"], info["counts"]["PAUSED"]) == (2, 1)
+    lines = render_status(info, "text").splitlines()
+    assert lines[0] == "study '" + study.study_name + ("': 0 COMPLETE, 0 PRUNED, 2 RUNNING, "
+                                                      "1 PAUSED, 0 WAITING, 0 FAIL")
+    header, *rows = lines[1:]
+    assert header.split() == ["running", "worker", "for", "paused", "learning_rate"]
+    assert [" ".join(row.split()[5:-1]) for row in rows] == [  # after "trial N node:N 0 s"
+        "at step 3", "resumed from step 1", "-"]
 
 
 def test_status_shows_running_trials_as_a_table(tiny_study, tmp_path, capsys):
@@ -218,7 +243,7 @@ def test_interrupted_trials_are_counted_and_costed_apart_from_failed_ones():
     from hpo.app.summary import render_status, status
 
     info = status(interrupted_study())
-    assert info["counts"] == {"COMPLETE": 1, "PRUNED": 0, "RUNNING": 0, "WAITING": 1,
+    assert info["counts"] == {"COMPLETE": 1, "PRUNED": 0, "RUNNING": 0, "PAUSED": 0, "WAITING": 1,
                               "FAIL": 1, "INTERRUPTED": 2}
     assert info["interrupted"] == [
         {"trial": 2, "error": "interrupted by Ctrl-C", "requeued_as": 4},

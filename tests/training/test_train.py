@@ -168,7 +168,6 @@ def test_mfu_is_the_achieved_rate_over_the_devices_peak_in_the_trials_precision(
     assert progress.mfu == pytest.approx(3e14 / 989.4e12)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])
 def _weights_score(model) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -204,14 +203,15 @@ def test_a_paused_run_resumed_in_a_fresh_model_ends_as_the_run_that_never_stoppe
     state = torch.load(buffer, weights_only=False)
     model = prepare(store.build(str(tiny_model), 9, seed=1), p, device)
     resumed = train(model, data, p, device, pad_id=tokenizer.pad_token_id,
-                    hooks=Hooks(_weights_score, lambda i, s: paused.append((i, s))),
-                    resume=state)
+                    hooks=Hooks(_weights_score, lambda i, s: paused.append((i, s)),
+                                resume=state))
     assert [i for i, _ in paused] == [i for i, _ in straight]
     assert paused == straight  # every step taken once, with the same draws: bit for bit
     assert resumed.samples == whole.samples and resumed.step == whole.step
     assert len(resumed.epoch_seconds) == len(whole.epoch_seconds)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])
 def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
         setup, tiny_model, precision, monkeypatch):
     scalers = []

@@ -1,7 +1,7 @@
 """The training drivers: a trial's value from its best or last epoch, the pruner asked after
 each epoch but the last, K folds with one batch search, a compiler failure trained eagerly
-(real training of tiny models through `hpo run`); the best epoch's weights and the scorer
-(in milliseconds, on fakes)."""
+(real training of tiny models through `hpo run`); the best epoch's weights, the scorer and a
+pause kept as a checkpoint (in milliseconds, on fakes)."""
 
 import optuna
 import pytest
@@ -9,6 +9,8 @@ from conftest import Quiet
 from conftest import run_in_process as run
 from conftest import trials_of as trials
 from optuna.trial import TrialState
+
+from hpo.training.train import PauseHere, Progress, TrainState
 
 
 def test_a_compile_failure_trains_the_trial_eagerly_with_a_warning(
@@ -173,16 +175,25 @@ def _fake_fit(values: list[float]):
     from hpo.training import metrics
 
     def fit(job, _resources, listener):
+        from hpo.trial.drivers import Checkpoint, FitPaused
+
         for epoch, value in enumerate(values, 1):
             job.scores.append(metrics.Scores(value, value, {}))
-            listener.evaluated(epoch, value)
+            try:
+                listener.evaluated(epoch, value)
+            except PauseHere:  # as `fit` answers a pause: with where the run stands
+                raise FitPaused(Checkpoint(TrainState(epoch, epoch, epoch + 1, 0, {}, {}, {},
+                                                      {}, {}, Progress()),
+                                           list(job.scores), {}, None)) from None
         return None, len(values)
 
     return fit
 
 
-def _trial_run(monkeypatch, values: list[float], rule: str):
-    """train_trial over fake epochs scoring `values`, on an in-memory study."""
+def _trial_run(monkeypatch, values: list[float], rule: str, pause: bool = False,
+               checkpoints=None):
+    """train_trial over fake epochs scoring `values`, on an in-memory study; with `pause`,
+    a study that pauses trials, their checkpoints in the store `checkpoints`."""
     from types import SimpleNamespace
 
     import torch
@@ -198,15 +209,20 @@ def _trial_run(monkeypatch, values: list[float], rule: str):
     said = Quiet()
     context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), said)
     resources = SimpleNamespace(
-        config=SimpleNamespace(study=SimpleNamespace(objective="macro_f1",
-                                                     objective_epoch=rule)),
-        keeper=None, models=None, device=SimpleNamespace(type="cpu"), label_names=("a",),
+        config=SimpleNamespace(study=SimpleNamespace(
+            objective="macro_f1", objective_epoch=rule, pruner=SimpleNamespace(pause=pause))),
+        keeper=None, checkpoints=checkpoints, models=None,
+        device=SimpleNamespace(type="cpu", torch_device=torch.device("cpu")),
+        label_names=("a",),
         gold=lambda: torch.zeros((1, 1), dtype=torch.bool))
     planned = SimpleNamespace(plan=SimpleNamespace(epochs=len(values), evaluations=len(values),
                                                   evaluations_per_epoch=1), pad_id=0,
                               params=SimpleNamespace(model_name="m"), training=None,
                               train_data=None, validation_data=None)
-    trained = drivers.train_trial(TrialRun(context, planned, resources))
+    try:
+        trained = drivers.train_trial(TrialRun(context, planned, resources))
+    except drivers.TrialPaused:
+        return None, study, said
     return trained, study, said
 
 
@@ -229,3 +245,21 @@ def test_the_pruner_stops_a_trial_after_any_epoch_but_its_last(monkeypatch):
         _trial_run(monkeypatch, [0.3, 0.6], "best")
     trained, study, _ = _trial_run(monkeypatch, [0.3], "best")  # its last epoch: kept
     assert trained.value == 0.3
+
+
+def test_a_pausing_study_keeps_the_checkpoint_where_the_pruner_would_stop(monkeypatch,
+                                                                          tmp_path):
+    from hpo.search import pausing
+
+    store = optuna.artifacts.FileSystemArtifactStore(str(tmp_path))
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    trained, study, _ = _trial_run(monkeypatch, [0.3, 0.6], "best", pause=True,
+                                   checkpoints=store)
+    assert trained is None  # paused, not pruned: the trial is not told
+    (trial,) = study.get_trials(deepcopy=False)
+    assert trial.state == optuna.trial.TrialState.RUNNING
+    checkpoint = trial.user_attrs[pausing.CHECKPOINT]
+    assert checkpoint["step"] == 1 and trial.user_attrs[pausing.PAUSES] == [1]
+    assert not pausing.is_paused(trial)  # marked paused by the worker, its heartbeat stopped
+    kept = pausing.load(store, checkpoint["id"], "cpu")
+    assert [s.macro_f1 for s in kept.scores] == [0.3] and kept.train.epoch == 2

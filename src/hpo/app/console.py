@@ -124,7 +124,10 @@ class ConsoleDisplay:
             self.warning(outcome.dropped)
             return
         attrs = trial.user_attrs
-        if outcome.state == TrialState.COMPLETE:
+        if outcome.paused_at is not None:
+            result = (f"paused at step {outcome.paused_at} (its checkpoint kept; it resumes "
+                      f"if later trials rank below it)")
+        elif outcome.state == TrialState.COMPLETE:
             result = f"value {outcome.value:.4f}"
         elif outcome.state == TrialState.PRUNED:
             result = f"pruned ({outcome.prune_reason})"

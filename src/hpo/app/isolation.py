@@ -138,7 +138,8 @@ def _child_main(payload: dict[str, Any], trial_id: int, params: Params, parent: 
                               pruner=make_pruner(config))
     keeper = None if config.data.cv_folds else artifacts.keeper_for(config, payload["url"])
     resources = load_resources(config, PinnedSpace.from_json(payload["pinned"]), device,
-                               keeper=keeper)
+                               keeper=keeper,
+                               checkpoints=artifacts.checkpoint_store(config, payload["url"]))
     # The trial's context again, in this process: its own connection, the parent's watch.
     context = claimed(study, storage, optuna.trial.Trial(study, trial_id), ConsoleDisplay(),
                       attempt)

@@ -14,6 +14,7 @@ import yaml
 from optuna.trial import TrialState
 
 from hpo.outcome import INTERRUPTED
+from hpo.search import pausing
 from hpo.search.artifacts import kept
 from hpo.search.budget import count
 from hpo.search.storage import redact
@@ -81,14 +82,21 @@ def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[st
             "gpu_share": trial.user_attrs.get("gpu_share"),  # None: a GPU of its own
             "age_seconds": round((now - started).total_seconds()),
             "params": dict(trial.params),
+            # study.pruner.pause: the step it is paused at (None: training), and the steps
+            # it paused at before (a resumed trial's).
+            "paused_at": trial.user_attrs.get(pausing.PAUSED_AT),
+            "pauses": trial.user_attrs.get(pausing.PAUSES, []),
         })
     stopped = _interrupted(study.get_trials(deepcopy=False))
+    # Optuna's state for a paused trial is RUNNING: counted apart, as interrupted ones are.
+    paused = sum(t["paused_at"] is not None for t in running)
     return {
         "study": study.study_name,
         # FAIL counts the failures; an interrupted trial is counted apart, though Optuna's
         # state for it is FAIL too.
         "counts": {"COMPLETE": counts.complete, "PRUNED": counts.pruned,
-                   "RUNNING": counts.running, "WAITING": counts.waiting,
+                   "RUNNING": counts.running - paused, "PAUSED": paused,
+                   "WAITING": counts.waiting,
                    "FAIL": counts.failed - len(stopped), "INTERRUPTED": len(stopped)},
         "best": best(study),
         "running": running,
@@ -217,6 +225,9 @@ def _columns(rows: list[list[str]]) -> list[str]:
 def _counts_line(info: dict[str, Any]) -> str:
     counts = dict(info["counts"])
     stopped = counts.pop("INTERRUPTED", 0)
+    # Said only where the study pauses trials (study.pruner.pause) and some are paused.
+    if not counts.get("PAUSED"):
+        counts.pop("PAUSED", None)
     line = ", ".join(f"{n} {state}" for state, n in counts.items())
     if stopped:
         requeued = sum(t["requeued_as"] is not None for t in info.get("interrupted", ()))
@@ -271,13 +282,26 @@ def render_status(info: dict[str, Any], fmt: str) -> str:
     if info["running"]:
         names = sorted({name for trial in info["running"] for name in trial["params"]})
         shared = any(t.get("gpu_share") for t in info["running"])
-        rows = [["running", "worker", *(["GPU share"] if shared else []), "for", *names]]
+        paused = any(t.get("pauses") for t in info["running"])
+        rows = [["running", "worker", *(["GPU share"] if shared else []), "for",
+                 *(["paused"] if paused else []), *names]]
         rows += [[f"trial {t['trial']}", t["worker"],
                   *([t.get("gpu_share") or "whole"] if shared else []), f"{t['age_seconds']} s",
+                  *([_pause_state(t)] if paused else []),
                   *(_number(t["params"].get(name, "-")) for name in names)]
                  for t in info["running"]]
         lines += _columns(rows)
     return "\n".join(lines)
+
+
+def _pause_state(trial: dict[str, Any]) -> str:
+    """A running trial's pauses (`study.pruner.pause`), as `hpo status` shows them."""
+    steps = trial.get("pauses") or []
+    if trial.get("paused_at") is not None:
+        return f"at step {trial['paused_at']}"
+    if steps:
+        return f"resumed from step {steps[-1]}"
+    return "-"
 
 
 def render_studies(rows: list[dict[str, Any]], url: str, fmt: str) -> str:

@@ -24,7 +24,7 @@ from hpo.app.console import ConsoleDisplay
 from hpo.app.preflight import Prepared
 from hpo.errors import WorkerStopped
 from hpo.outcome import GivenBack, Outcome
-from hpo.search import artifacts, budget
+from hpo.search import artifacts, budget, pausing
 from hpo.search.liveness import heartbeat, reap
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.study import (
@@ -84,7 +84,8 @@ def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> W
         display.message(pruning_note)
     keeper = (artifacts.keeper_for(config, site.url)
               if config.study.keep_best and not config.data.cv_folds else None)
-    resources = load_resources(config, pinned, site.device, site.splits, keeper)
+    resources = load_resources(config, pinned, site.device, site.splits, keeper,
+                               artifacts.checkpoint_store(config, site.url))
     kept = console.kept_models_line(config, resources.keeper)
     if kept:
         display.message(kept)
@@ -123,9 +124,13 @@ def work(site: Prepared, orders: Orders) -> None:
         study.set_user_attr("objective", objective)
         run_trial = (isolation.in_child(site, pinned) if config.training.isolate_trials
                      else in_process(resources))
+        promotion = (pausing.Promotion(config.study.pruner.reduction_factor,
+                                       resources.checkpoints)
+                     if config.study.pruner.pause else None)
         result = run_worker(study, site.storage, run_trial, display,
                             Limits(orders.n_trials, orders.timeout,
-                                   config.study.max_consecutive_failures))
+                                   config.study.max_consecutive_failures,
+                                   promotion=promotion))
     display.best(study)
     display.message(console.baseline_line(objective, baseline))
     below = console.below_baseline_warning(study, objective, baseline)
@@ -174,6 +179,8 @@ class Limits:
     timeout: float | None = None
     max_consecutive_failures: int = 3
     poll_seconds: float = POLL_SECONDS
+    # A study that pauses trials (`study.pruner.pause`): how the loop resumes them.
+    promotion: pausing.Promotion | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,50 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: i
     return False
 
 
+def _claim(study: optuna.Study, storage: ResilientRDBStorage, counts: budget.Counts,
+           limits: Limits, display: LoopDisplay
+           ) -> tuple[optuna.Trial | None, FrozenTrial | None, bool]:
+    """Under the study lock: the trial this worker runs next, the paused trial it resumes if
+    it is one, and whether it ended the last paused trials instead. A study that pauses
+    trials resumes the one its rung now promotes (`pausing.to_resume`) before it samples a
+    new one; once the budget is all started and nothing but paused trials runs, nothing can
+    promote them, and they end pruned."""
+    promotion = limits.promotion
+    may_claim = budget.may_claim(counts, limits.n_trials)
+    if promotion is not None and counts.running:
+        trials = study.get_trials(deepcopy=False)
+        chosen = pausing.to_resume(trials, promotion.reduction_factor)
+        if chosen is not None and pausing.claim(storage, chosen._trial_id):
+            display.message(f"trial {chosen.number} resumed from its checkpoint at step "
+                             f"{chosen.user_attrs[pausing.PAUSED_AT]}: later trials ranked "
+                             f"below it")
+            return optuna.trial.Trial(study, chosen._trial_id), chosen, False
+        running = [t for t in trials if t.state == TrialState.RUNNING]
+        if not may_claim and all(pausing.is_paused(t) for t in running):
+            ended = pausing.end_unpromoted(study, promotion.store)
+            if ended:
+                display.message(f"the budget is spent: {len(ended)} paused trial(s) that "
+                                 f"no rung promoted end pruned ({_numbers(ended)})")
+            return None, None, bool(ended)
+    return (_ask(study) if may_claim else None), None, False
+
+
+def _numbers(numbers: list[int]) -> str:
+    shown = ", ".join(str(n) for n in numbers[:8])
+    return shown + (", ..." if len(numbers) > 8 else "")
+
+
+def _interrupted(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
+                 stop: KeyboardInterrupt) -> str:
+    """What becomes of the trial Ctrl-C or SIGTERM interrupted: a resumed one goes back to
+    paused at its checkpoint (`pausing.repause`), any other is freed (`executor.free`)."""
+    with budget.study_lock(storage.engine, study.study_name):
+        repaused = pausing.repause(storage, storage.engine, trial._trial_id)
+    if repaused:
+        return f"trial {trial.number} interrupted: paused again at its last checkpoint"
+    return free(study, trial, stop)
+
+
 def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: TrialRunner,
                display: LoopDisplay, limits: Limits) -> WorkerResult:
     """Run trials until the `limits` end the loop.
@@ -290,13 +341,15 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
             if timeout is not None and time.monotonic() - started >= timeout:
                 display.message(f"timeout of {timeout:g}s reached")
                 break
-            trial = _ask(study) if budget.may_claim(counts, n_trials) else None
+            trial, resumed, ended = _claim(study, storage, counts, limits, display)
             if trial is not None:
                 faults.kill_at("claim")
             lost = trial is not None and not budget.lock_held(connection)
-        if (lost and trial is not None
+        if (lost and trial is not None and resumed is None
                 and not _claim_stands(study, storage, study_id, trial, n_trials, display)):
             continue
+        if trial is None and ended:
+            continue  # the last paused trials ended: the study is finished
         if trial is None:
             if not waiting_said:
                 display.message(f"waiting for {counts.running} running trial(s) of other "
@@ -307,13 +360,19 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
         waiting_said = False
         context = claimed(study, storage, trial, display)
         try:
-            outcome, finished = _run_claimed(context, storage, run_trial, counts.waiting)
+            outcome, finished = _run_claimed(context, storage, run_trial,
+                                             counts.waiting if resumed is None else 0)
         except KeyboardInterrupt as stop:
             # From the claim on: a trial left RUNNING would hold a budget slot until reaped.
             # `context.trial`: a run carried over to its retry copy frees the copy.
-            display.interrupted(free(study, context.trial, stop))
+            display.interrupted(_interrupted(study, storage, context.trial, stop))
             raise
-        ran += 1
+        if outcome.paused_at is not None:
+            # Its heartbeat thread has stopped: the row it wrote can go, under the lock.
+            with budget.study_lock(storage.engine, study.study_name):
+                pausing.repause(storage, storage.engine, finished._trial_id)
+        else:
+            ran += 1
         display.trial_finished(finished, outcome)
         told = True
         # A dropped result was lost for want of contact, not for anything of its own.

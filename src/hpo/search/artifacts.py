@@ -112,6 +112,20 @@ def keeper_for(config: StudyConfig, storage_url: str) -> Keeper | None:
     return Keeper(open_store(where), where, config.study.keep_best)
 
 
+def checkpoint_store(config: StudyConfig, storage_url: str) -> ArtifactStore | None:
+    """Where a study that pauses trials (`study.pruner.pause`) keeps their checkpoints: its
+    artifact store, which every worker that may resume them must reach. None where it does
+    not pause; bad input where it has no store."""
+    if not config.study.pruner.pause:
+        return None
+    where = location(config.study.artifacts, storage_url)
+    if where is None:
+        raise ConfigError("study.pruner.pause keeps paused trials' checkpoints in the "
+                          "artifact store: set study.artifacts (a directory every worker "
+                          "shares, or s3://BUCKET)")
+    return open_store(where)
+
+
 def kept(study: optuna.Study) -> dict[int, dict[str, Any]]:
     """The trials whose models are in the store: number -> artifact id and value."""
     return {int(k): v for k, v in study.user_attrs.get(KEPT, {}).items()}

@@ -96,6 +96,23 @@ def unbeaten_trial_ids(connection: sqlalchemy.Connection, study_id: int,
     ).scalars())
 
 
+def stale_trial_ids(connection: sqlalchemy.Connection, study_id: int,
+                    grace: float) -> list[int]:
+    """RUNNING trials whose last heartbeat is more than `grace` seconds old by the database's
+    clock (Optuna's reaper's rule)."""
+    trials, beats = TrialModel.__table__, TrialHeartbeatModel.__table__
+    now = connection.execute(sqlalchemy.select(sqlalchemy.func.now())).scalar_one()
+    # Naive, as Optuna compares them: PostgreSQL answers with a time zone.
+    now = now.replace(tzinfo=None)
+    rows = connection.execute(
+        sqlalchemy.select(trials.c.trial_id, beats.c.heartbeat)
+        .join(beats, beats.c.trial_id == trials.c.trial_id)
+        .where(trials.c.study_id == study_id, trials.c.state == TrialState.RUNNING)
+    ).all()
+    return [trial_id for trial_id, beat in rows
+            if now - beat > datetime.timedelta(seconds=grace)]
+
+
 def may_claim(counts: Counts, budget: float) -> bool:
     """Whether a trial may start: fewer than `budget` are finished or running. A claim takes a
     waiting trial first (Optuna's ask does), so a retry copy runs in the slot its failed

@@ -5,7 +5,8 @@ worker its launcher saw die, and the carry-over of a run that was reaped while i
 alive onto its retry copy.
 
 The reapers are the one place besides `executor.outcome_of` that sets a trial's state: they
-judge workers, not outcomes.
+judge workers, not outcomes. A paused trial (`pausing`) holds no heartbeat and is never
+reaped; a resumed one whose worker went silent goes back to paused, not to a retry.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import AbstractContextManager
 import optuna
 from optuna.trial import TrialState
 
-from hpo.search import budget
+from hpo.search import budget, pausing
 from hpo.search.resilience import ResilientRDBStorage, single_attempt
 
 Lock = Callable[[], AbstractContextManager[object]]
@@ -44,6 +45,9 @@ class RetryFromScratch(optuna.storages.RetryHeartbeatStaleTrialCallback):
         fresh = copy.copy(trial)
         fresh.system_attrs = {k: v for k, v in trial.system_attrs.items()
                               if not k.startswith(RUNG_PREFIX)}
+        # Nor does it go on from a checkpoint of its predecessor's (`pausing`).
+        fresh.user_attrs = {k: v for k, v in trial.user_attrs.items()
+                            if k not in pausing.ATTRIBUTES}
         super().__call__(study, fresh)
 
 
@@ -102,22 +106,32 @@ def reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> No
 
 
 def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> None:
+    interval = storage.get_heartbeat_interval()
+    if not interval:
+        return
+    grace = storage.grace_period or 2 * interval
+    # A resumed trial whose worker went silent goes back to paused at its checkpoint
+    # (`pausing`), before Optuna's reaper would fail it and queue a copy from scratch.
+    with storage.engine.connect() as connection:
+        stale = budget.stale_trial_ids(connection, study_id, grace)
+    for trial_id in stale:
+        pausing.repause(storage, storage.engine, trial_id)
     with warnings.catch_warnings():
         # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-    interval = storage.get_heartbeat_interval()
-    if not interval:
-        return
     # A worker killed between claiming a trial and its first heartbeat (OOM killer, eviction)
     # leaves a RUNNING trial that Optuna's reaper never sees: reap it by its start time, after
-    # the grace period (Optuna's default where none was set: two intervals).
-    grace = storage.grace_period or 2 * interval
+    # the grace period (Optuna's default where none was set: two intervals). A paused trial
+    # has no heartbeat by design.
     started_before = datetime.datetime.now() - datetime.timedelta(seconds=grace)
     with storage.engine.connect() as connection:
         unbeaten = budget.unbeaten_trial_ids(connection, study_id, started_before)
     retry = storage.get_heartbeat_stale_trial_callback()
     for trial_id in unbeaten:
+        if pausing.is_paused(storage.get_trial(trial_id)) or pausing.repause(
+                storage, storage.engine, trial_id):
+            continue
         try:
             if not storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
                 continue
@@ -150,8 +164,10 @@ def fail_dead_worker(study: optuna.Study, storage: ResilientRDBStorage, worker: 
         running = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
         failed = []
         for trial in running:
-            if trial.user_attrs.get("worker") != worker:
+            if trial.user_attrs.get("worker") != worker or pausing.is_paused(trial):
                 continue
+            if pausing.repause(storage, storage.engine, trial._trial_id):
+                continue  # a resumed trial: back to paused at its checkpoint
             try:
                 # The reason before the state: a finished trial takes no attribute. Its copy
                 # is made from `trial`, read before, so it does not inherit the reason.

@@ -402,11 +402,13 @@ class Hooks:
     """What a training run calls out to: `evaluate` scores the model at each evaluation
     point (`evaluation_points`), `on_evaluation` hears its 1-based index and the score (and
     may raise optuna.TrialPruned to stop, or `PauseHere` to pause), `on_step` hears the
-    progress after each step."""
+    progress after each step; a run that `resume`s a paused one goes on from its state."""
 
     evaluate: Callable[[torch.nn.Module], float]
     on_evaluation: Callable[[int, float], None] = _ignored
     on_step: Callable[[Progress], None] = _ignored
+    # Where the run starts: from scratch, or where the paused run it resumes stood.
+    resume: TrainState | None = None
 
 
 @dataclass
@@ -452,10 +454,11 @@ class _Run:
 
 
 def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Device, *,
-          pad_id: int, hooks: Hooks, resume: TrainState | None = None) -> Progress:
+          pad_id: int, hooks: Hooks) -> Progress:
     """Train for `plan.epochs` (or up to its `stop_after`-th evaluation), evaluating and
-    reporting through `hooks`; from where a paused run stood, if it `resume`s one. A hook
-    that raises `PauseHere` ends it with `Paused`."""
+    reporting through `hooks`; from where a paused run stood, if it resumes one
+    (`hooks.resume`). A hook that raises `PauseHere` ends it with `Paused`."""
+    resume = hooks.resume
     torch.manual_seed(plan.seed)
     stepper = Stepper.fresh(model, plan, device)
     lengths = train_data.lengths
@@ -500,7 +503,8 @@ def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Devic
                 running += _micro_step(run, host, pos_weight)
             _check_finite(float(running), epoch, progress.step + 1)  # the step's one sync
             at.optimizer_steps += 1
-            faults.before_optimizer_step(at.optimizer_steps)
+            faults.before_optimizer_step(at.optimizer_steps, resume is not None and (
+                at.optimizer_steps == resume.optimizer_steps + 1))
             stepper.step(model, plan.max_grad_norm)
             scheduler.step()
             progress.step += 1

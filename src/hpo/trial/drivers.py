@@ -25,10 +25,21 @@ import torch
 
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
-from hpo.search import artifacts
+from hpo.search import artifacts, pausing
 from hpo.training import adapters, memory, metrics
 from hpo.training.models import ModelStore
-from hpo.training.train import Hooks, Plan, Progress, as_epochs, predict, prepare, train
+from hpo.training.train import (
+    Hooks,
+    Paused,
+    PauseHere,
+    Plan,
+    Progress,
+    TrainState,
+    as_epochs,
+    predict,
+    prepare,
+    train,
+)
 from hpo.trial import records
 from hpo.trial.resources import Resources
 from hpo.trial.run import Trained, TrialRun
@@ -73,6 +84,14 @@ class BestEpoch:
                            for k, v in self._model.state_dict().items()}
             self._held = index
 
+    def held(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        """The weights copied so far and the evaluation they are from: a paused run's
+        checkpoint carries them, so a resumed run can still end on them."""
+        return self._state, self._held
+
+    def hold(self, state: dict[str, torch.Tensor], held: int | None) -> None:
+        self._state, self._held = state, held
+
     def restore(self, values: list[float]) -> int | None:
         """Put the chosen evaluation's weights back into the model; returns its index, or
         None where they were not copied (its score did not beat the floor)."""
@@ -101,6 +120,26 @@ class FitJob:
     evaluate: Callable[[torch.nn.Module], float]
     scores: list[metrics.Scores]
     snapshot: float | None = None
+    resume: Checkpoint | None = None  # the paused fit it goes on from, if any
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A paused fit, as the artifact store keeps it: where its training stood, its scores so
+    far, and the chosen evaluation's weights copied so far (`BestEpoch`)."""
+
+    train: TrainState
+    scores: list[metrics.Scores]
+    best: dict[str, torch.Tensor]
+    best_held: int | None
+
+
+class FitPaused(Exception):
+    """A fit that a hook paused (`PauseHere`): `checkpoint` is where it stands."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        super().__init__(f"paused after evaluation {checkpoint.train.evaluations}")
+        self.checkpoint = checkpoint
 
 
 class Listener(Protocol):
@@ -132,8 +171,15 @@ def fit(job: FitJob, resources: Resources, listener: Listener
             best.after_evaluation(index, [s.get(study.objective) for s in job.scores])
         listener.evaluated(index, score)
 
-    train(model, job.data, plan, resources.device, pad_id=job.pad_id,
-          hooks=Hooks(job.evaluate, evaluated, listener.stepped))
+    if job.resume is not None and best is not None:
+        best.hold(job.resume.best, job.resume.best_held)
+    try:
+        train(model, job.data, plan, resources.device, pad_id=job.pad_id,
+              hooks=Hooks(job.evaluate, evaluated, listener.stepped,
+                          job.resume.train if job.resume is not None else None))
+    except Paused as paused:
+        state, held = best.held() if best is not None else ({}, None)
+        raise FitPaused(Checkpoint(paused.state, list(job.scores), state, held)) from None
     del model
     if best is None:
         return base, plan.evaluations
@@ -177,6 +223,8 @@ class _TrialListener:
         context.write(lambda trial: trial.report(value, index))
         # After the last evaluation the compute is spent: the result is kept, not pruned.
         if index < plan.evaluations and context.trial.should_prune():
+            if self.run.config.study.pruner.pause:
+                raise PauseHere
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
 
     def stepped(self, progress: Progress) -> None:
@@ -205,15 +253,60 @@ def train_trial(run: TrialRun) -> Trained:
     # weights than needed, never fewer.
     floor = (artifacts.floor(run.context.study, resources.keeper.best)
              if resources.keeper is not None else None)
+    resume = resumed(run)
+    if resume is not None:
+        heard.scores.extend(resume.scores)
     job = FitJob(resources.models, run.model_name, planned.training, run.plan,
                  planned.train_data, planned.pad_id,
                  scorer(resources, run.plan, planned.validation_data, resources.gold(),
-                        planned.pad_id, heard.scores), heard.scores, snapshot=floor)
+                        planned.pad_id, heard.scores), heard.scores, snapshot=floor,
+                 resume=resume)
     try:
         model, epoch = fit(job, resources, heard)
+    except FitPaused as paused:
+        raise pause(run, paused.checkpoint) from None
     finally:
         heard.finished()
     return Trained(heard.value(), model, as_epochs(epoch, run.plan.evaluations_per_epoch))
+
+
+class TrialPaused(Exception):
+    """The trial paused at `step` (`study.pruner.pause`), its checkpoint in the store."""
+
+    def __init__(self, number: int, step: int, epoch: float) -> None:
+        super().__init__(f"trial {number} paused at epoch {epoch}")
+        self.step = step
+
+
+def resumed(run: TrialRun) -> Checkpoint | None:
+    """The checkpoint the trial goes on from: a trial holds one only from its first pause on,
+    and runs again only when a worker resumes it."""
+    if not run.config.study.pruner.pause:
+        return None
+    trial = run.trial
+    checkpoint = pausing.checkpoint_of(trial.storage.get_trial(trial._trial_id))
+    store = run.resources.checkpoints
+    if checkpoint is None:
+        return None
+    if store is None:
+        raise RuntimeError(f"trial {trial.number} resumes from a checkpoint, but this worker "
+                           f"has no artifact store to read it from")
+    payload = pausing.load(store, checkpoint["id"], run.resources.device.torch_device)
+    if not isinstance(payload, Checkpoint):
+        raise RuntimeError(f"trial {trial.number}'s checkpoint {checkpoint['id']} is not one")
+    return payload
+
+
+def pause(run: TrialRun, checkpoint: Checkpoint) -> TrialPaused:
+    """Keep a paused fit's checkpoint in the store and record it on the trial (the one it
+    replaces removed after); the worker marks the trial paused once its heartbeat stops."""
+    store, trial = run.resources.checkpoints, run.trial
+    assert store is not None  # a study that pauses opens its store before any trial
+    step = checkpoint.train.evaluations
+    key = pausing.save(store, trial.number, checkpoint)
+    old = run.context.write(lambda live: pausing.record_checkpoint(live, step, key))
+    pausing.remove(store, old)
+    return TrialPaused(trial.number, step, as_epochs(step, run.plan.evaluations_per_epoch))
 
 
 def _report(trial: optuna.Trial, value: float, step: int) -> None:

@@ -1,10 +1,11 @@
 """One trial from its claim to its state: planned (`planning`), trained (`drivers`), and told.
 
 `outcome_of` is the one place where the end of a trial becomes its state, however it ended:
-a result, a pruner's verdict, an out-of-memory error, a non-finite loss, a combination the
-check found unusable, an error, Ctrl-C or SIGTERM, an isolated child that died, a claim given
-back, a reap while it ran. `tell` writes that state with what the trial recorded. Only the
-reaper (`liveness.reap`) sets a state besides these two, for workers that went silent.
+a result, a pruner's verdict, a pause (the trial stays RUNNING, `search.pausing`), an
+out-of-memory error, a non-finite loss, a combination the check found unusable, an error,
+Ctrl-C or SIGTERM, an isolated child that died, a claim given back, a reap while it ran.
+`tell` writes that state with what the trial recorded. Only the reaper (`liveness.reap`) and
+the end of a pausing study (`pausing.end_unpromoted`) set a state besides these two.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from optuna.trial import FrozenTrial, TrialState
 from hpo import faults
 from hpo.errors import Terminated, one_line, process_end
 from hpo.outcome import INTERRUPTED, ChildDied, GivenBack, Outcome, Reaped
+from hpo.search import pausing
 from hpo.space import Params, suggest
 from hpo.training import memory
 from hpo.training.train import NonFiniteLoss
 from hpo.trial import batch_limit, records, step_check
 from hpo.trial.context import TrialContext
-from hpo.trial.drivers import train_folds, train_trial
+from hpo.trial.drivers import TrialPaused, train_folds, train_trial
 from hpo.trial.planning import PlannedTrial, plan_trial
 from hpo.trial.resources import Resources
 from hpo.trial.run import Trained, TrialRun
@@ -37,6 +39,8 @@ def outcome_of(number: int, ended: BaseException | None, value: float | None = N
     returned `value`."""
     if ended is None:
         return Outcome(TrialState.COMPLETE, value=value)
+    if isinstance(ended, TrialPaused):
+        return Outcome(TrialState.RUNNING, paused_at=ended.step)
     if isinstance(ended, optuna.TrialPruned):
         return Outcome(TrialState.PRUNED, prune_reason="pruner")
     if isinstance(ended, step_check.Unusable):
@@ -113,12 +117,15 @@ def execute(context: TrialContext, resources: Resources, params: Params | None =
     del ended, trained
     memory.release_memory()
     device_memory = memory.after_trial(resources.device, device_memory)
-    if outcome.dropped:
+    if outcome.dropped or outcome.paused_at is not None:
         return outcome, _stored(context)
     tried = batch_limit.tried_alone(outcome, None if planned is None else planned.fitted,
                                     resources.device)
-    return tell(context, outcome, tried=tried, failed_at=failed_at, started=started,
+    told = tell(context, outcome, tried=tried, failed_at=failed_at, started=started,
                 device_memory=device_memory)
+    if told[1].state.is_finished():  # a resumed trial's checkpoint is needed no more
+        pausing.remove(resources.checkpoints, pausing.checkpoint_of(told[1]))
+    return told
 
 
 def _stored(context: TrialContext) -> FrozenTrial:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from hpo.search.artifacts import Keeper
 from hpo.space import PinnedSpace
 from hpo.training import memory, metrics
 from hpo.training.models import ModelStore
+
+if TYPE_CHECKING:
+    from optuna.artifacts._protocol import ArtifactStore
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Resources:
     models: ModelStore = field(default_factory=ModelStore)
     token_cache_dir: Path | None = field(default_factory=token_cache.default_dir)
     keeper: Keeper | None = None  # where the best trials' models are kept, if anywhere
+    checkpoints: ArtifactStore | None = None  # where paused trials' checkpoints go, if any
     _encoded: dict[str, tuple[Encoded, Encoded]] = field(default_factory=dict)
 
     def encoded(self, model_name: str) -> tuple[Encoded, Encoded, str]:
@@ -121,10 +126,11 @@ class Resources:
 
 def load_resources(
     config: StudyConfig, pinned: PinnedSpace, device: Device, splits: Splits | None = None,
-    keeper: Keeper | None = None,
+    keeper: Keeper | None = None, checkpoints: ArtifactStore | None = None,
 ) -> Resources:
     """The resources for this study's data, reading and splitting it unless `splits` is given;
-    `keeper` keeps the best trials' models, if anything does."""
+    `keeper` keeps the best trials' models, if anything does; `checkpoints` holds paused
+    trials' checkpoints, where the study pauses them."""
     data = config.data
     if splits is None:
         posts = read_redsm5(data.dir, special_case=data.special_case)
@@ -140,4 +146,5 @@ def load_resources(
         ),
         label_names=label_names(data.special_case),
         keeper=keeper,
+        checkpoints=checkpoints,
     )

@@ -1,0 +1,199 @@
+"""Trials paused instead of stopped (`study.pruner.pause`): asynchronous successive halving in
+its promotion form (Li et al. 2020; Syne Tune's `type="promotion"`), kept by many workers
+through the study's storage.
+
+The rule. A trial that successive halving would stop at a rung (it ranks below the top
+1/reduction_factor of the values reported there) pauses instead: its run's checkpoint goes to
+the artifact store, and the trial stays RUNNING, marked `paused_at` (the step) and without a
+heartbeat, so it holds its slot of the budget, the sampler counts it as running, and no
+reaper takes it for dead. A free worker, before it samples a new trial, resumes the paused
+trial that now ranks in its rung's top 1/reduction_factor (later, poorer trials made room),
+the highest rung first and the best value first, and trains it on from its checkpoint: no
+epoch is trained twice. Once the budget is all started and nothing runs, nothing can promote
+what is still paused: those trials end PRUNED, as stopping would have ended them.
+
+A resumed trial whose run ends without a result (its worker killed, interrupted or reaped)
+goes back to paused at its checkpoint (`repause`) instead of failing: what it trained since
+is lost, what it trained before is not. The checkpoint leaves the store when its trial ends.
+
+Marks and claims are written under the study lock (`budget.study_lock`), as every claim is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optuna
+import sqlalchemy
+import torch
+
+# Optuna's RDB schema (private, versioned by its migrations), as in budget.py: a paused trial
+# holds no heartbeat row, so Optuna's reaper, which judges trials by theirs, passes it by.
+# tests/search/test_budget.py fails if the table changes.
+from optuna.storages._rdb.models import TrialHeartbeatModel
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo.search.pruning import rung_key
+
+if TYPE_CHECKING:
+    from optuna.artifacts._protocol import ArtifactStore
+
+PAUSED_AT = "paused_at"  # user attribute: the step a trial is paused at; None once resumed
+CHECKPOINT = "checkpoint"  # user attribute: {"id": the store's key, "step": its step}
+PAUSES = "pauses"  # user attribute: the steps it paused at, in order
+RESUMES = "resumes"  # user attribute: the steps it was resumed from, in order
+ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES)
+NOT_PROMOTED = "not_promoted"  # the prune reason of a trial still paused at the end
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """How a study that pauses trials promotes them: by its rungs' `reduction_factor`, their
+    checkpoints in `store`."""
+
+    reduction_factor: int
+    store: ArtifactStore | None
+
+
+def is_paused(trial: FrozenTrial) -> bool:
+    return trial.state == TrialState.RUNNING and trial.user_attrs.get(PAUSED_AT) is not None
+
+
+def checkpoint_of(trial: FrozenTrial) -> dict[str, Any] | None:
+    return trial.user_attrs.get(CHECKPOINT)
+
+
+def rung_reached(trial: FrozenTrial) -> int:
+    """The last rung the trial reported at (-1: none)."""
+    rung = 0
+    while rung_key(rung) in trial.system_attrs:
+        rung += 1
+    return rung - 1
+
+
+def in_top(value: float, competing: list[float], reduction_factor: int) -> bool:
+    """Whether `value` ranks in the top 1/reduction_factor of `competing` (which holds it),
+    the best of fewer: the rule successive halving stops by (a study that maximizes)."""
+    ranked = sorted(competing, reverse=True)
+    return value >= ranked[max(1, len(ranked) // reduction_factor) - 1]
+
+
+def to_resume(trials: list[FrozenTrial], reduction_factor: int) -> FrozenTrial | None:
+    """The paused trial a free worker resumes (the module's rule): of the paused trials that
+    rank in the top of the rung they paused at, one of the highest rung, the best there (the
+    earlier of equals); None when no paused trial ranks."""
+    paused = [t for t in trials if is_paused(t) and rung_reached(t) >= 0]
+    for rung in sorted({rung_reached(t) for t in paused}, reverse=True):
+        key = rung_key(rung)
+        values = [t.system_attrs[key] for t in trials if key in t.system_attrs]
+        ready = [t for t in paused if rung_reached(t) == rung
+                 and in_top(t.system_attrs[key], values, reduction_factor)]
+        if ready:
+            return min(ready, key=lambda t: (-t.system_attrs[key], t.number))
+    return None
+
+
+# ------------------------------------------------------------------- the trial's marks
+
+
+def record_checkpoint(trial: optuna.Trial, step: int, checkpoint: str) -> str | None:
+    """Record the new `checkpoint` of the running `trial`, taken at `step`; returns the key of
+    the one it replaces (for the caller to remove), if any. The trial is marked paused once
+    its heartbeat has stopped (`repause`)."""
+    attrs = trial.storage.get_trial_user_attrs(trial._trial_id)
+    old = attrs.get(CHECKPOINT)
+    trial.set_user_attr(CHECKPOINT, {"id": checkpoint, "step": step})
+    trial.set_user_attr(PAUSES, [*attrs.get(PAUSES, []), step])
+    return old["id"] if old and old["id"] != checkpoint else None
+
+
+def drop_heartbeat(engine: sqlalchemy.Engine, trial_id: int) -> None:
+    """Remove a paused trial's heartbeat: no reaper then judges it. Called once its run's
+    heartbeat thread has stopped, which would write the row again."""
+    beats = TrialHeartbeatModel.__table__
+    with engine.begin() as connection:
+        connection.execute(sqlalchemy.delete(beats).where(beats.c.trial_id == trial_id))
+
+
+def claim(storage: optuna.storages.BaseStorage, trial_id: int) -> bool:
+    """Take a paused trial for this worker: unmarked and beating at once, so that it is seen
+    alive from its claim on. Under the study lock. False if it is no longer paused."""
+    frozen = storage.get_trial(trial_id)
+    if not is_paused(frozen):
+        return False
+    resumes = [*frozen.user_attrs.get(RESUMES, []), frozen.user_attrs[PAUSED_AT]]
+    storage.set_trial_user_attr(trial_id, RESUMES, resumes)
+    storage.set_trial_user_attr(trial_id, PAUSED_AT, None)
+    storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]  # RDB storages beat
+    return True
+
+
+def repause(storage: optuna.storages.BaseStorage, engine: sqlalchemy.Engine,
+            trial_id: int) -> bool:
+    """Mark a running trial paused at its checkpoint and remove its heartbeat: a run that
+    paused, once its heartbeat thread stopped (which would write the row again), or a resumed
+    run that ended without a result. Under the study lock, so no worker claims it between
+    the two. False (nothing done) for a trial without a checkpoint, or no longer running."""
+    trial = storage.get_trial(trial_id)
+    checkpoint = checkpoint_of(trial)
+    if checkpoint is None or trial.state != TrialState.RUNNING:
+        return False
+    try:
+        storage.set_trial_user_attr(trial_id, PAUSED_AT, checkpoint["step"])
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    drop_heartbeat(engine, trial_id)
+    return True
+
+
+def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int]:
+    """End every paused trial PRUNED (nothing can promote them any more) and remove their
+    checkpoints; returns their numbers. Under the study lock."""
+    ended = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not is_paused(trial):
+            continue
+        storage = study._storage
+        storage.set_trial_user_attr(trial._trial_id, "prune_reason", NOT_PROMOTED)
+        try:
+            study.tell(trial.number, state=TrialState.PRUNED)
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+            continue  # another worker ended it first
+        remove(store, checkpoint_of(trial))
+        ended.append(trial.number)
+    return ended
+
+
+# -------------------------------------------------------------------- the checkpoints
+
+
+def save(store: ArtifactStore, number: int, payload: object) -> str:
+    """Write a paused run's checkpoint (`payload`, saved by torch) to the store; returns its
+    key. A key of its own each time: a new pause never overwrites the checkpoint a crash
+    could still need."""
+    key = f"checkpoint-trial-{number}-{uuid.uuid4().hex}"
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    buffer.seek(0)
+    store.write(key, buffer)
+    return key
+
+
+def load(store: ArtifactStore, key: str, device: torch.device) -> Any:
+    with store.open_reader(key) as reader:
+        data = io.BytesIO(reader.read())
+    # Our own checkpoint (weights, optimizer and scheduler state, counters, dataclasses):
+    # not a foreign file, so unpickled in full.
+    return torch.load(data, map_location=device, weights_only=False)
+
+
+def remove(store: ArtifactStore | None, checkpoint: dict[str, Any] | str | None) -> None:
+    if store is None or checkpoint is None:
+        return
+    key = checkpoint["id"] if isinstance(checkpoint, dict) else checkpoint
+    with contextlib.suppress(Exception):  # gone already, or the store is away: only space
+        store.remove(key)

@@ -1,0 +1,100 @@
+"""A study that pauses trials instead of stopping them (`study.pruner.pause`), run by real
+workers on real storages: paused trials resumed from their checkpoints, no epoch trained
+twice, the budget kept, and a worker killed while it resumes a trial losing nothing."""
+
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import yaml
+from conftest import run_in_process, start_worker, study_dict
+from optuna.trial import FrozenTrial, TrialState
+
+from hpo.search import pausing
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def pausing_study(tmp_path: Path, models: list[Path], data: Path, **study: object) -> Path:
+    # Balanced label weights and large rates: the tiny models' scores then differ between
+    # trials, so rungs rank them and later trials promote paused ones.
+    config = study_dict(models, data, epochs=4, pos_weight="balanced")
+    config["search_space"]["learning_rate"] = {"low": 1.0e-3, "high": 3.0e-2, "log": True}
+    config["study"]["pruner"] = {"name": "successive_halving", "min_resource": 1,
+                                 "reduction_factor": 2, "pause": True}
+    config["study"].update(study)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def checkpoints_in(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("checkpoint-*")) if directory.is_dir() else []
+
+
+def trained_once(trial: FrozenTrial) -> bool:
+    """Each epoch the trial reported was trained once: its records hold one entry per epoch
+    it reached, however often it paused and resumed."""
+    steps = sorted(trial.intermediate_values)
+    return (steps == list(range(1, len(steps) + 1))
+            and len(trial.user_attrs.get("epoch_seconds", [])) == len(steps))
+
+
+def assert_ended_cleanly(trials: list[FrozenTrial], n: int, artifacts: Path) -> None:
+    """The study holds its `n` trials, all finished and none failed; a trial still paused at
+    the end was pruned as not promoted; no checkpoint is left in the store."""
+    assert len(trials) == n and all(t.state in FINISHED for t in trials), Counter(
+        t.state for t in trials)
+    assert all(trained_once(t) for t in trials)
+    for trial in trials:
+        if trial.user_attrs.get("prune_reason") == pausing.NOT_PROMOTED:
+            assert max(trial.intermediate_values) == trial.user_attrs[pausing.PAUSES][-1]
+    assert checkpoints_in(artifacts) == []
+
+
+def test_paused_trials_resume_from_their_checkpoints_and_the_rest_end_pruned(
+        tmp_path, tiny_model, tiny_model_b, small_data):
+    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data)
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert run_in_process(study_file, storage, 8) == 0
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert_ended_cleanly(trials, 8, tmp_path / "hpo-artifacts")
+    paused = [t for t in trials if t.user_attrs.get(pausing.PAUSES)]
+    resumed = [t for t in trials if t.user_attrs.get(pausing.RESUMES)]
+    assert paused and resumed, "no trial paused and resumed: the study tests nothing"
+    for trial in resumed:
+        # It went on past the step it was resumed from.
+        assert max(trial.intermediate_values) > trial.user_attrs[pausing.RESUMES][0]
+
+
+def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one(
+        tmp_path, tiny_model, tiny_model_b, small_data, pg_url):
+    artifacts = tmp_path / "artifacts"
+    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data,
+                               artifacts=str(artifacts))
+    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
+    # Alone, the victim runs until it resumes its first paused trial, and dies there.
+    victim = start_worker(study_file, pg_url, 8, env={**env, "HPO_FAULT_KILL_AT": "resume"})
+    assert victim.wait(timeout=600) == -9, victim.stderr.read()[-2000:]
+    storage = optuna.storages.RDBStorage(pg_url)
+    try:
+        study = optuna.load_study(study_name="tiny", storage=storage)
+        killed = [t for t in study.trials if t.user_attrs.get(pausing.RESUMES)]
+        assert len(killed) == 1 and killed[0].state == TrialState.RUNNING
+        number = killed[0].number
+        assert not pausing.is_paused(killed[0])  # claimed, and then its worker died
+        # Two workers finish the study: one of them takes the dead run's trial back to
+        # paused at its checkpoint, and one resumes it from there.
+        workers = [start_worker(study_file, pg_url, 8, env=env) for _ in range(2)]
+        for process in workers:
+            assert process.wait(timeout=600) == 0, process.stderr.read()[-2000:]
+        trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    finally:
+        storage.engine.dispose()
+    assert_ended_cleanly(trials, 8, artifacts)
+    again = trials[number]
+    resumes = again.user_attrs[pausing.RESUMES]
+    # Resumed twice from the checkpoint it paused at: no retry copy, no epoch of it retrained
+    # before that checkpoint.
+    assert len(resumes) >= 2 and resumes[0] == resumes[1] == again.user_attrs[pausing.PAUSES][0]
+    assert not any(t.system_attrs.get("retry_history") for t in trials)

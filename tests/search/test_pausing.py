@@ -1,0 +1,147 @@
+"""Paused trials (`study.pruner.pause`): which one a free worker resumes (in milliseconds, on
+made trials), and their marks, claims and ends on real storages: a paused trial holds its
+slot without a heartbeat and no reaper takes it; a resumed one whose worker goes silent goes
+back to paused at its checkpoint, never to a retry from scratch."""
+
+import io
+import time
+
+import optuna
+import pytest
+import sqlalchemy
+from optuna.storages._rdb.models import TrialHeartbeatModel
+from optuna.trial import TrialState, create_trial
+
+from hpo.search import pausing
+from hpo.search.liveness import fail_dead_worker, reap
+from hpo.search.pruning import rung_key
+from hpo.search.storage import open_storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
+
+
+def made(number: int, rungs: list[float], paused: bool = False,
+         state: TrialState = TrialState.RUNNING) -> optuna.trial.FrozenTrial:
+    """A trial that reported `rungs` at successive rungs; `paused` at the last of them."""
+    trial = create_trial(
+        state=state, value=None if state == TrialState.RUNNING else rungs[-1],
+        system_attrs={rung_key(k): v for k, v in enumerate(rungs)},
+        user_attrs={pausing.PAUSED_AT: len(rungs)} if paused else {},
+        intermediate_values={k + 1: v for k, v in enumerate(rungs)})
+    trial.number = number
+    return trial
+
+
+def test_a_paused_trial_resumes_once_later_trials_put_it_in_its_rungs_top():
+    done = made(0, [0.9], state=TrialState.COMPLETE)
+    waiting = made(1, [0.5], paused=True)
+    # Of two values at rung 0 the top half is the best one: 0.5 waits.
+    assert pausing.to_resume([done, waiting], reduction_factor=2) is None
+    poorer = [made(2, [0.1], state=TrialState.PRUNED), made(3, [0.2], paused=True)]
+    # Of four, the top half holds 0.9 and 0.5: it resumes; 0.2 still waits.
+    assert pausing.to_resume([done, waiting, *poorer], 2).number == 1
+    # A factor of 3 keeps one of four: nothing resumes yet.
+    assert pausing.to_resume([done, waiting, *poorer], 3) is None
+
+
+def test_the_highest_rung_resumes_first_then_the_best_then_the_earliest():
+    trials = [made(0, [0.9, 0.8], state=TrialState.COMPLETE),
+              made(1, [0.1], state=TrialState.PRUNED), made(2, [0.2], state=TrialState.PRUNED),
+              made(3, [0.6], paused=True), made(4, [0.7], paused=True),
+              made(5, [0.5, 0.85], paused=True), made(6, [0.4, 0.1], state=TrialState.PRUNED)]
+    # Rung 1 holds 0.8, 0.85, 0.1: its top (one of three) is 0.85, trial 5's.
+    assert pausing.to_resume(trials, 2).number == 5
+    trials[5] = made(5, [0.5, 0.85])  # resumed: the best paused at rung 0 is next
+    assert pausing.to_resume(trials, 2).number == 4
+    trials[4] = made(4, [0.7])
+    trials.append(made(7, [0.6], paused=True))  # as good as trial 3: the earlier goes first
+    assert pausing.to_resume(trials, 2).number == 3
+
+
+@pytest.fixture
+def beating(any_storage):
+    storage = open_storage(any_storage, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="p", storage=storage, direction="maximize")
+    yield study, storage
+    storage.engine.dispose()
+
+
+def heartbeats(storage, trial_id: int) -> int:
+    beats = TrialHeartbeatModel.__table__
+    with storage.engine.connect() as connection:
+        return connection.execute(sqlalchemy.select(sqlalchemy.func.count()).select_from(
+            beats).where(beats.c.trial_id == trial_id)).scalar_one()
+
+
+def paused_trial(study, storage, step: int = 1) -> optuna.Trial:
+    """A trial that ran, reported `step`, kept a checkpoint there and was marked paused."""
+    trial = study.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    storage.record_heartbeat(trial._trial_id)
+    trial.report(0.5, step)
+    assert pausing.record_checkpoint(trial, step, "key-1") is None
+    assert pausing.repause(storage, storage.engine, trial._trial_id)
+    return trial
+
+
+def test_a_paused_trial_holds_no_heartbeat_and_no_reaper_takes_it(beating):
+    study, storage = beating
+    trial = paused_trial(study, storage)
+    frozen = storage.get_trial(trial._trial_id)
+    assert pausing.is_paused(frozen) and frozen.user_attrs[pausing.PAUSES] == [1]
+    assert heartbeats(storage, trial._trial_id) == 0
+    time.sleep(2.5)  # past the grace period
+    reap(study, storage, storage.get_study_id_from_name("p"))
+    assert [t.state for t in study.trials] == [TrialState.RUNNING]
+    assert fail_dead_worker(study, storage, frozen.user_attrs.get("worker", "?"), "gone") == []
+
+
+def test_a_claim_unmarks_and_beats_once_and_a_silent_resume_goes_back_to_paused(beating):
+    study, storage = beating
+    trial = paused_trial(study, storage)
+    assert pausing.claim(storage, trial._trial_id)
+    assert not pausing.claim(storage, trial._trial_id)  # a second worker finds it taken
+    frozen = storage.get_trial(trial._trial_id)
+    assert not pausing.is_paused(frozen) and frozen.user_attrs[pausing.RESUMES] == [1]
+    assert heartbeats(storage, trial._trial_id) == 1
+    time.sleep(3.2)  # the resuming worker died (SQLite keeps whole seconds)
+    reap(study, storage, storage.get_study_id_from_name("p"))
+    (again,) = study.trials  # no failure, no retry copy: paused at its checkpoint again
+    assert pausing.is_paused(again) and again.user_attrs[pausing.PAUSED_AT] == 1
+    assert heartbeats(storage, trial._trial_id) == 0
+
+
+def test_a_dead_workers_resumed_trial_goes_back_to_paused(beating):
+    study, storage = beating
+    trial = paused_trial(study, storage)
+    trial.set_user_attr("worker", "host:1")
+    assert pausing.claim(storage, trial._trial_id)
+    assert fail_dead_worker(study, storage, "host:1", "killed") == []
+    (again,) = study.trials
+    assert pausing.is_paused(again) and "error" not in again.user_attrs
+
+
+def test_the_last_paused_trials_end_pruned_and_their_checkpoints_go(beating, tmp_path):
+    study, storage = beating
+    store = optuna.artifacts.FileSystemArtifactStore(str(tmp_path))
+    trial = paused_trial(study, storage)
+    key = pausing.save(store, trial.number, {"weights": [1, 2]})
+    storage.set_trial_user_attr(trial._trial_id, pausing.CHECKPOINT, {"id": key, "step": 1})
+    running = study.ask()
+    assert pausing.end_unpromoted(study, store) == [trial.number]
+    ended = storage.get_trial(trial._trial_id)
+    assert ended.state == TrialState.PRUNED
+    assert ended.user_attrs["prune_reason"] == pausing.NOT_PROMOTED
+    assert storage.get_trial(running._trial_id).state == TrialState.RUNNING  # not paused
+    with pytest.raises(optuna.artifacts.exceptions.ArtifactNotFound):
+        store.open_reader(key)
+
+
+def test_a_checkpoint_round_trips_through_the_store(tmp_path):
+    store = optuna.artifacts.FileSystemArtifactStore(str(tmp_path))
+    key = pausing.save(store, 3, {"step": 2, "buffer": io.BytesIO(b"x").getvalue()})
+    assert key.startswith("checkpoint-trial-3-")
+    assert pausing.load(store, key, "cpu") == {"step": 2, "buffer": b"x"}
+    pausing.remove(store, {"id": key, "step": 2})
+    pausing.remove(store, key)  # gone already: nothing to say
+    assert list(tmp_path.iterdir()) == []
