@@ -547,12 +547,20 @@ class PromotionPolicy:
         keep = len(ranked) // self.reduction_factor
         return [run for _, run in ranked[:max(keep, 1) if self.eager else keep]]
 
-    def ask(self) -> Running:
+    def resumable(self) -> PromotingRun | None:
+        """The paused run a free worker resumes, if a rung promotes one: of the highest rung,
+        the best first."""
         for rung in reversed(range(len(self.steps))):
             for run in self.top(rung):
                 if run in self.waiting.get(rung, []):
                     self.waiting[rung].remove(run)
                     return self.resume(run)
+        return None
+
+    def ask(self) -> Running:
+        run = self.resumable()
+        if run is not None:
+            return run
         trial = self.base.study.ask()
         return PromotingRun(self, trial, self.base.sample(trial))
 
@@ -592,13 +600,15 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
     finished by then count. A trial its policy pauses frees its worker; when the policy
     promotes it, a free worker resumes it from its checkpoint at its next epoch (paying the
     curve's set-up again, no epoch twice). Trials mode counts started trials: once `budget`
-    have started nothing starts or resumes."""
+    have started nothing new starts, and a paused trial resumes only where its rung promotes
+    it (as hpo's workers do); one still paused at the end counts as stopped there."""
     events: list[tuple[float, int, int, int]] = []
     running: dict[int, tuple[Running, Curve, float, float]] = {}
     paused: dict[int, tuple[int, int, Finished]] = {}  # id(run): its number, epoch, record
     tokenized: list[set[str]] = [set() for _ in range(workers)]
     searched: set[tuple[str, str, int]] = set()
     finished: list[Finished] = []
+    idle: set[int] = set()  # workers waiting, past the budget, for a promotion
     counter = 0
 
     def setup(worker: int, config: Any, curve: Curve) -> float:
@@ -610,9 +620,19 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
 
     def start(worker: int, now: float) -> None:
         nonlocal counter
-        if (counter >= budget) if budget is not None else (now >= horizon):
+        if budget is None and now >= horizon:
             return
-        run = policy.ask()
+        if budget is not None and counter >= budget:
+            # As `hpo run --n-trials N` under study.pruner.pause: no new trial past the
+            # budget, but a paused one that a rung promotes still resumes.
+            resumable = getattr(policy, "resumable", None)
+            run = resumable() if resumable is not None else None
+            if run is None:
+                if resumable is not None:
+                    idle.add(worker)  # it waits: a later report may promote one
+                return
+        else:
+            run = policy.ask()
         if id(run) in paused:
             number, epoch, record = paused.pop(id(run))
             finished.remove(record)
@@ -642,6 +662,9 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         run, curve, began, factor = running[number]
         length = len(curve.scores)
         decision = run.report(epoch, curve.scores[epoch - 1])
+        for waiting in sorted(idle):  # a value at a rung may have promoted a paused trial
+            idle.discard(waiting)
+            start(waiting, now + policy.gap)
         if epoch < length and decision == PAUSE:
             record = Finished(began, now, run.config, curve.scores[:epoch], "PAUSED")
             finished.append(record)

@@ -207,6 +207,9 @@ class Promoting:
     def slowdown(self, model: str) -> float:
         return 1.0
 
+    def resumable(self) -> Promoting.Run | None:
+        return self.promoted.pop() if self.promoted else None
+
     @dataclass(eq=False)
     class Run:
         policy: Promoting
@@ -235,6 +238,15 @@ def test_a_paused_trial_frees_its_worker_and_resumes_at_its_next_epoch(curves):
     short = Promoting([config(TINY)] * 5)
     never = replay.simulate(short, curves, 0, 1, horizon=12.0)
     assert [(t.end, t.state, t.value) for t in never] == [(9.0, "PAUSED", None)]
+
+
+def test_past_the_trial_budget_a_promoted_paused_trial_still_resumes(curves):
+    # As `hpo run --n-trials 2` under study.pruner.pause: trial 0 pauses, trial 1 takes the
+    # second slot and, finishing, promotes trial 0, which resumes though the budget is spent.
+    policy = Promoting([config(TINY)] * 5)
+    trials = replay.simulate(policy, curves, 0, 1, budget=2)
+    assert [(t.state, len(t.scores)) for t in trials] == [("COMPLETE", 4), ("COMPLETE", 4)]
+    assert len(policy.runs) == 2 and policy.runs[0].epochs == [1, 2, 3, 4]
 
 
 def demo_study(*sets: str):
