@@ -9,6 +9,7 @@ import optuna
 import yaml
 from conftest import run_in_process, start_worker, study_dict
 from optuna.trial import FrozenTrial, TrialState
+from optuna_dashboard import get_note
 
 from hpo.search import pausing
 
@@ -65,6 +66,15 @@ def test_paused_trials_resume_from_their_checkpoints_and_the_rest_end_pruned(
     for trial in resumed:
         # It went on past the step it was resumed from.
         assert max(trial.intermediate_values) > trial.user_attrs[pausing.RESUMES][0]
+    # The dashboard says where each trial that paused stands, on its page.
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    notes = {t.number: get_note(optuna.trial.Trial(study, t._trial_id)) for t in paused}
+    for trial in paused:
+        said = notes[trial.number]
+        if trial.user_attrs.get("prune_reason") == pausing.NOT_PROMOTED:
+            assert said.startswith("**Pruned, not promoted**: paused at step ")
+        else:
+            assert said.startswith("**Resumed** from step ")
 
 
 def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one(

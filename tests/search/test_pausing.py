@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy
 from optuna.storages._rdb.models import TrialHeartbeatModel
 from optuna.trial import TrialState, create_trial
+from optuna_dashboard import get_note
 
 from hpo.search import pausing
 from hpo.search.liveness import fail_dead_worker, reap
@@ -109,6 +110,8 @@ def test_a_claim_unmarks_and_beats_once_and_a_silent_resume_goes_back_to_paused(
     (again,) = study.trials  # no failure, no retry copy: paused at its checkpoint again
     assert pausing.is_paused(again) and again.user_attrs[pausing.PAUSED_AT] == 1
     assert heartbeats(storage, trial._trial_id) == 0
+    assert get_note(trial).startswith("**Paused** at step 1, where its rung would have")
+    assert get_note(trial).endswith("Paused at steps: 1. Resumed from: 1.")
 
 
 def test_a_dead_workers_resumed_trial_goes_back_to_paused(beating):

@@ -277,6 +277,7 @@ def _claim(study: optuna.Study, storage: ResilientRDBStorage, counts: budget.Cou
         trials = study.get_trials(deepcopy=False)
         chosen = pausing.to_resume(trials, promotion.reduction_factor)
         if chosen is not None and pausing.claim(storage, chosen._trial_id):
+            pausing.note(study, chosen._trial_id)
             display.message(f"trial {chosen.number} resumed from its checkpoint at step "
                              f"{chosen.user_attrs[pausing.PAUSED_AT]}: later trials ranked "
                              f"below it")
@@ -302,6 +303,8 @@ def _interrupted(study: optuna.Study, storage: ResilientRDBStorage, trial: optun
     paused at its checkpoint (`pausing.repause`), any other is freed (`executor.free`)."""
     with budget.study_lock(storage.engine, study.study_name):
         repaused = pausing.repause(storage, storage.engine, trial._trial_id)
+        if repaused:
+            pausing.note(study, trial._trial_id)
     if repaused:
         return f"trial {trial.number} interrupted: paused again at its last checkpoint"
     return free(study, trial, stop)
@@ -370,7 +373,8 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
         if outcome.paused_at is not None:
             # Its heartbeat thread has stopped: the row it wrote can go, under the lock.
             with budget.study_lock(storage.engine, study.study_name):
-                pausing.repause(storage, storage.engine, finished._trial_id)
+                if pausing.repause(storage, storage.engine, finished._trial_id):
+                    pausing.note(study, finished._trial_id)
         else:
             ran += 1
         display.trial_finished(finished, outcome)

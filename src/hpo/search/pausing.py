@@ -36,6 +36,7 @@ import torch
 # tests/search/test_budget.py fails if the table changes.
 from optuna.storages._rdb.models import TrialHeartbeatModel
 from optuna.trial import FrozenTrial, TrialState
+from optuna_dashboard import save_note
 
 from hpo.search.pruning import rung_key
 
@@ -164,8 +165,30 @@ def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int
         except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
             continue  # another worker ended it first
         remove(store, checkpoint_of(trial))
+        note(study, trial._trial_id)
         ended.append(trial.number)
     return ended
+
+
+def note(study: optuna.Study, trial_id: int) -> None:
+    """Say on the trial's page in optuna-dashboard (its note) where the trial stands: Optuna
+    shows a paused trial as running, and its attributes only on request."""
+    trial = study._storage.get_trial(trial_id)
+    attrs = trial.user_attrs
+    pauses = ", ".join(str(step) for step in attrs.get(PAUSES, []))
+    resumes = ", ".join(str(step) for step in attrs.get(RESUMES, [])) or "none yet"
+    if trial.state == TrialState.PRUNED:
+        now = (f"**Pruned, not promoted**: paused at step {attrs[PAUSES][-1]}, and no rung "
+               f"promoted it before the study's budget was spent.")
+    elif is_paused(trial):
+        now = (f"**Paused** at step {attrs[PAUSED_AT]}, where its rung would have stopped it: "
+               f"its checkpoint is kept, and any worker resumes it from there once later "
+               f"trials rank below it.")
+    else:
+        now = f"**Resumed** from step {attrs[RESUMES][-1]}: training on from its checkpoint."
+    body = f"{now}\n\nPaused at steps: {pauses}. Resumed from: {resumes}."
+    # optuna-dashboard's own API for a trial's note (a study system attribute it reads).
+    save_note(optuna.trial.Trial(study, trial_id), body)
 
 
 # -------------------------------------------------------------------- the checkpoints
