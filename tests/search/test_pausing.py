@@ -80,6 +80,7 @@ def paused_trial(study, storage, step: int = 1) -> optuna.Trial:
     trial.suggest_float("x", 0.0, 1.0)
     storage.record_heartbeat(trial._trial_id)
     trial.report(0.5, step)
+    storage.set_trial_system_attr(trial._trial_id, rung_key(0), 0.5)  # as the pruner does
     assert pausing.record_checkpoint(trial, step, "key-1") is None
     assert pausing.repause(storage, storage.engine, trial._trial_id)
     return trial
@@ -100,16 +101,26 @@ def test_a_paused_trial_holds_no_heartbeat_and_no_reaper_takes_it(beating):
 def test_a_claim_unmarks_and_beats_once_and_a_silent_resume_goes_back_to_paused(beating):
     study, storage = beating
     trial = paused_trial(study, storage)
-    assert pausing.claim(storage, trial._trial_id)
-    assert not pausing.claim(storage, trial._trial_id)  # a second worker finds it taken
+    token = pausing.claim(storage, trial._trial_id, "host:2")
+    assert token and pausing.claim(storage, trial._trial_id, "host:3") is None  # taken
     frozen = storage.get_trial(trial._trial_id)
     assert not pausing.is_paused(frozen) and frozen.user_attrs[pausing.RESUMES] == [1]
+    assert frozen.user_attrs["worker"] == "host:2"
     assert heartbeats(storage, trial._trial_id) == 1
-    time.sleep(3.2)  # the resuming worker died (SQLite keeps whole seconds)
+    assert pausing.holds(storage, trial._trial_id, token)
+    # The resumed run reports on past its checkpoint and passes a rung, then its worker dies.
+    for step in (2, 3):
+        storage.set_trial_intermediate_value(trial._trial_id, step, 0.7)
+    storage.set_trial_system_attr(trial._trial_id, rung_key(1), 0.7)
+    time.sleep(3.2)  # past the grace period (SQLite keeps whole seconds)
     reap(study, storage, storage.get_study_id_from_name("p"))
     (again,) = study.trials  # no failure, no retry copy: paused at its checkpoint again
     assert pausing.is_paused(again) and again.user_attrs[pausing.PAUSED_AT] == 1
     assert heartbeats(storage, trial._trial_id) == 0
+    # What the dead run reported past the checkpoint is gone: the next run reports it anew.
+    assert again.intermediate_values == {1: 0.5}
+    assert rung_key(0) in again.system_attrs and rung_key(1) not in again.system_attrs
+    assert not pausing.holds(storage, trial._trial_id, token)  # the dead run's claim lapsed
     assert get_note(trial).startswith("**Paused** at step 1, where its rung would have")
     assert get_note(trial).endswith("Paused at steps: 1. Resumed from: 1.")
 
@@ -117,8 +128,10 @@ def test_a_claim_unmarks_and_beats_once_and_a_silent_resume_goes_back_to_paused(
 def test_a_dead_workers_resumed_trial_goes_back_to_paused(beating):
     study, storage = beating
     trial = paused_trial(study, storage)
-    trial.set_user_attr("worker", "host:1")
-    assert pausing.claim(storage, trial._trial_id)
+    trial.set_user_attr("worker", "host:0")  # the worker that paused it
+    assert pausing.claim(storage, trial._trial_id, "host:1")
+    assert fail_dead_worker(study, storage, "host:0", "killed") == []  # it is not host:0's
+    assert not pausing.is_paused(storage.get_trial(trial._trial_id))
     assert fail_dead_worker(study, storage, "host:1", "killed") == []
     (again,) = study.trials
     assert pausing.is_paused(again) and "error" not in again.user_attrs

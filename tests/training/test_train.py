@@ -211,6 +211,22 @@ def test_a_paused_run_resumed_in_a_fresh_model_ends_as_the_run_that_never_stoppe
     assert len(resumed.epoch_seconds) == len(whole.epoch_seconds)
 
 
+def test_a_resumed_epoch_keeps_each_steps_samples_when_the_micro_batch_changed(setup):
+    from hpo.training.train import _epoch_steps
+
+    _, _, data = setup
+    lengths = data.lengths
+    p = plan(effective_batch=8, physical_batch=2)
+    paused_with = train_module.TrainState(3, 7, 2, 1, 3, {}, {}, {}, {}, {}, Progress())
+    steps = _epoch_steps(lengths, p, 2, paused_with)
+    laid_out = train_module.training_steps(lengths, 8, 3, seed=0, epoch=2)
+    assert [sorted(i for m in s for i in m) for s in steps] == [
+        sorted(i for m in s for i in m) for s in laid_out]
+    assert max(len(m) for s in steps for m in s) == 2
+    # Where the micro-batch is the same, the paused run's layout as it was.
+    assert _epoch_steps(lengths, plan(physical_batch=3), 2, paused_with) == laid_out
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "none"])
 def test_autocast_precisions_train_on_cpu_with_a_grad_scaler_for_fp16_only(
         setup, tiny_model, precision, monkeypatch):

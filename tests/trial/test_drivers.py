@@ -182,8 +182,8 @@ def _fake_fit(values: list[float]):
             try:
                 listener.evaluated(epoch, value)
             except PauseHere:  # as `fit` answers a pause: with where the run stands
-                raise FitPaused(Checkpoint(TrainState(epoch, epoch, epoch + 1, 0, {}, {}, {},
-                                                      {}, {}, Progress()),
+                raise FitPaused(Checkpoint(TrainState(epoch, epoch, epoch + 1, 0, 8, {}, {},
+                                                      {}, {}, {}, Progress()),
                                            list(job.scores), {}, None)) from None
         return None, len(values)
 
@@ -191,9 +191,10 @@ def _fake_fit(values: list[float]):
 
 
 def _trial_run(monkeypatch, values: list[float], rule: str, pause: bool = False,
-               checkpoints=None):
-    """train_trial over fake epochs scoring `values`, on an in-memory study; with `pause`,
-    a study that pauses trials, their checkpoints in the store `checkpoints`."""
+               checkpoints=None, study=None):
+    """train_trial over fake epochs scoring `values`, on an in-memory study (a new one, or
+    `study`'s first trial again); with `pause`, a study that pauses trials, their checkpoints
+    in the store `checkpoints`."""
     from types import SimpleNamespace
 
     import torch
@@ -205,9 +206,11 @@ def _trial_run(monkeypatch, values: list[float], rule: str, pause: bool = False,
     from hpo.trial.run import TrialRun
 
     monkeypatch.setattr(drivers, "fit", _fake_fit(values))
-    study = optuna.create_study(direction="maximize")
+    trial = None if study is None else optuna.trial.Trial(study, study.trials[0]._trial_id)
+    study = study or optuna.create_study(direction="maximize")
     said = Quiet()
-    context = TrialContext(study, LiveTrial(study.ask()), StudyBatchCache(study), said)
+    context = TrialContext(study, LiveTrial(trial or study.ask()), StudyBatchCache(study),
+                           said)
     resources = SimpleNamespace(
         config=SimpleNamespace(study=SimpleNamespace(
             objective="macro_f1", objective_epoch=rule, pruner=SimpleNamespace(pause=pause))),
@@ -263,3 +266,28 @@ def test_a_pausing_study_keeps_the_checkpoint_where_the_pruner_would_stop(monkey
     assert not pausing.is_paused(trial)  # marked paused by the worker, its heartbeat stopped
     kept = pausing.load(store, checkpoint["id"], "cpu")
     assert [s.macro_f1 for s in kept.scores] == [0.3] and kept.train.epoch == 2
+
+
+def test_a_resumed_run_that_lost_its_claim_writes_nothing_more(monkeypatch, tmp_path):
+    from hpo.outcome import Reaped
+    from hpo.search import pausing
+
+    store = optuna.artifacts.FileSystemArtifactStore(str(tmp_path))
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: True)
+    _, study, _ = _trial_run(monkeypatch, [0.3, 0.6], "best", pause=True, checkpoints=store)
+    (paused,) = study.get_trials(deepcopy=False)
+    # Resumed under a claim that a reaper's repause and another worker's claim replaced.
+    study._storage.set_trial_user_attr(paused._trial_id, pausing.CLAIM, "another worker's")
+    monkeypatch.setattr(drivers_module(), "resumed", lambda run: (
+        pausing.load(store, paused.user_attrs[pausing.CHECKPOINT]["id"], "cpu"), "mine"))
+    monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: False)
+    with pytest.raises(Reaped, match="trial 0 was put back to paused while this run resumed"):
+        _trial_run(monkeypatch, [0.3, 0.6], "best", pause=True, checkpoints=store,
+                   study=study)
+    assert study.get_trials(deepcopy=False)[0].intermediate_values == {1: 0.3}
+
+
+def drivers_module():
+    from hpo.trial import drivers
+
+    return drivers

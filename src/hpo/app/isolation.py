@@ -29,7 +29,7 @@ from hpo.app.console import ConsoleDisplay
 from hpo.app.preflight import Prepared
 from hpo.config import StudyConfig
 from hpo.outcome import ChildDied, Outcome, as_told
-from hpo.search import artifacts
+from hpo.search import artifacts, pausing
 from hpo.search.liveness import WORKER_PID, heartbeat
 from hpo.search.resilience import OUTAGE_SECONDS
 from hpo.search.storage import open_storage
@@ -51,6 +51,7 @@ def in_child(site: Prepared, pinned: PinnedSpace
     # spawn, not fork: the parent holds threads (heartbeat, torch's pools) and open
     # connections that a forked child must not inherit.
     context = multiprocessing.get_context("spawn")
+    checkpoints = artifacts.checkpoint_store(config, url)
     payload = {"config": config.model_dump(mode="json"), "pinned": pinned.to_json(),
                "device": device, "url": url, "heartbeat_interval": storage.heartbeat_interval,
                "grace_period": storage.grace_period}
@@ -89,7 +90,11 @@ def in_child(site: Prepared, pinned: PinnedSpace
             return as_told(frozen), frozen
         tried = attempt.read()
         outcome = outcome_of(trial.number, ChildDied(child.exitcode, tried))
-        return tell(claim, outcome, tried=tried, started=started)
+        told_here = tell(claim, outcome, tried=tried, started=started)
+        # The trial's own process died: its end is the trial's, a checkpoint it resumed
+        # from or paused with is needed no more.
+        pausing.remove(checkpoints, pausing.checkpoint_of(told_here[1]))
+        return told_here
 
     return run
 

@@ -86,6 +86,7 @@ def status(study: optuna.Study, now: datetime.datetime | None = None) -> dict[st
             # it paused at before (a resumed trial's).
             "paused_at": trial.user_attrs.get(pausing.PAUSED_AT),
             "pauses": trial.user_attrs.get(pausing.PAUSES, []),
+            "resumes": trial.user_attrs.get(pausing.RESUMES, []),
         })
     stopped = _interrupted(study.get_trials(deepcopy=False))
     # Optuna's state for a paused trial is RUNNING: counted apart, as interrupted ones are.
@@ -296,11 +297,11 @@ def render_status(info: dict[str, Any], fmt: str) -> str:
 
 def _pause_state(trial: dict[str, Any]) -> str:
     """A running trial's pauses (`study.pruner.pause`), as `hpo status` shows them."""
-    steps = trial.get("pauses") or []
     if trial.get("paused_at") is not None:
         return f"at step {trial['paused_at']}"
-    if steps:
-        return f"resumed from step {steps[-1]}"
+    resumes = trial.get("resumes") or []
+    if resumes:
+        return f"resumed from step {resumes[-1]}"
     return "-"
 
 

@@ -249,10 +249,24 @@ LOST_LOCK_CLAIM = ("claimed while the study lock was lost with its database conn
                    "given back to keep the budget exact")
 
 
-def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: int,
-                  trial: optuna.Trial, n_trials: float, display: LoopDisplay) -> bool:
+def _settle_pause(study: optuna.Study, storage: ResilientRDBStorage,
+                  trial: FrozenTrial) -> None:
+    """Mark a trial that paused paused, under the lock, once its heartbeat thread has stopped
+    (which would write the row `repause` removes again), and say so on the dashboard."""
+    with budget.study_lock(storage.engine, study.study_name):
+        if pausing.repause(storage, storage.engine, trial._trial_id):
+            pausing.note(study, trial._trial_id)
+
+
+def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
+                  resumed: str | None, n_trials: float, display: LoopDisplay) -> bool:
     """After a claim made while the study lock was lost, another worker may have claimed
-    the same slot: recount under the lock and give the trial back if the budget overshoots."""
+    the same slot: recount under the lock and give the trial back if the budget overshoots.
+    A paused trial resumed then (its claim `resumed`) stands if no other worker took it."""
+    if resumed is not None:
+        with budget.study_lock(storage.engine, study.study_name):
+            return pausing.holds(storage, trial._trial_id, resumed)
+    study_id = storage.get_study_id_from_name(study.study_name)
     with budget.study_lock(storage.engine, study.study_name) as connection:
         counts = budget.count_in_database(connection, study_id)
         if counts.started <= n_trials:
@@ -265,31 +279,43 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, study_id: i
 
 def _claim(study: optuna.Study, storage: ResilientRDBStorage, counts: budget.Counts,
            limits: Limits, display: LoopDisplay
-           ) -> tuple[optuna.Trial | None, FrozenTrial | None, bool]:
-    """Under the study lock: the trial this worker runs next, the paused trial it resumes if
-    it is one, and whether it ended the last paused trials instead. A study that pauses
-    trials resumes the one its rung now promotes (`pausing.to_resume`) before it samples a
-    new one; once the budget is all started and nothing but paused trials runs, nothing can
-    promote them, and they end pruned."""
+           ) -> tuple[optuna.Trial | None, str | None, bool]:
+    """Under the study lock: the trial this worker runs next, the claim it resumes it with
+    if it is a paused one, and whether it ended the last paused trials instead. A study that
+    pauses trials resumes the one its rung now promotes (`pausing.to_resume`) before it
+    samples a new one; once the budget is all started and nothing but paused trials runs,
+    nothing can promote them, and they end pruned."""
     promotion = limits.promotion
     may_claim = budget.may_claim(counts, limits.n_trials)
     if promotion is not None and counts.running:
         trials = study.get_trials(deepcopy=False)
         chosen = pausing.to_resume(trials, promotion.reduction_factor)
-        if chosen is not None and pausing.claim(storage, chosen._trial_id):
+        token = (pausing.claim(storage, chosen._trial_id, records.worker_name())
+                 if chosen is not None else None)
+        if chosen is not None and token is not None:
             pausing.note(study, chosen._trial_id)
             display.message(f"trial {chosen.number} resumed from its checkpoint at step "
                              f"{chosen.user_attrs[pausing.PAUSED_AT]}: later trials ranked "
                              f"below it")
-            return optuna.trial.Trial(study, chosen._trial_id), chosen, False
-        running = [t for t in trials if t.state == TrialState.RUNNING]
-        if not may_claim and all(pausing.is_paused(t) for t in running):
-            ended = pausing.end_unpromoted(study, promotion.store)
-            if ended:
-                display.message(f"the budget is spent: {len(ended)} paused trial(s) that "
-                                 f"no rung promoted end pruned ({_numbers(ended)})")
+            return optuna.trial.Trial(study, chosen._trial_id), token, False
+        if not may_claim:
+            ended = _end_paused(study, trials, promotion, display, "the budget is spent")
             return None, None, bool(ended)
     return (_ask(study) if may_claim else None), None, False
+
+
+def _end_paused(study: optuna.Study, trials: list[FrozenTrial], promotion: pausing.Promotion,
+                display: LoopDisplay, why: str) -> list[int]:
+    """Under the study lock, where nothing but paused trials runs (no report can promote
+    them any more): end them pruned, as stopping would have; returns their numbers."""
+    running = [t for t in trials if t.state == TrialState.RUNNING]
+    if not running or not all(pausing.is_paused(t) for t in running):
+        return []
+    ended = pausing.end_unpromoted(study, promotion.store)
+    if ended:
+        display.message(f"{why}: {len(ended)} paused trial(s) that no rung promoted end "
+                         f"pruned ({_numbers(ended)})")
+    return ended
 
 
 def _numbers(numbers: list[int]) -> str:
@@ -343,13 +369,16 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
                 break
             if timeout is not None and time.monotonic() - started >= timeout:
                 display.message(f"timeout of {timeout:g}s reached")
+                if limits.promotion is not None:  # the last worker out ends the paused
+                    _end_paused(study, study.get_trials(deepcopy=False), limits.promotion,
+                                display, "the search stops here")
                 break
             trial, resumed, ended = _claim(study, storage, counts, limits, display)
             if trial is not None:
                 faults.kill_at("claim")
             lost = trial is not None and not budget.lock_held(connection)
-        if (lost and trial is not None and resumed is None
-                and not _claim_stands(study, storage, study_id, trial, n_trials, display)):
+        if (lost and trial is not None
+                and not _claim_stands(study, storage, trial, resumed, n_trials, display)):
             continue
         if trial is None and ended:
             continue  # the last paused trials ended: the study is finished
@@ -371,10 +400,7 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
             display.interrupted(_interrupted(study, storage, context.trial, stop))
             raise
         if outcome.paused_at is not None:
-            # Its heartbeat thread has stopped: the row it wrote can go, under the lock.
-            with budget.study_lock(storage.engine, study.study_name):
-                if pausing.repause(storage, storage.engine, finished._trial_id):
-                    pausing.note(study, finished._trial_id)
+            _settle_pause(study, storage, finished)
         else:
             ran += 1
         display.trial_finished(finished, outcome)

@@ -111,9 +111,10 @@ def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> N
         return
     grace = storage.grace_period or 2 * interval
     # A resumed trial whose worker went silent goes back to paused at its checkpoint
-    # (`pausing`), before Optuna's reaper would fail it and queue a copy from scratch.
+    # (`pausing`), before Optuna's reaper would fail it and queue a copy from scratch: judged
+    # an interval early, so that none turns stale between the two.
     with storage.engine.connect() as connection:
-        stale = budget.stale_trial_ids(connection, study_id, grace)
+        stale = budget.stale_trial_ids(connection, study_id, grace - interval)
     for trial_id in stale:
         if pausing.repause(storage, storage.engine, trial_id):
             pausing.note(study, trial_id)

@@ -33,8 +33,13 @@ import torch
 
 # Optuna's RDB schema (private, versioned by its migrations), as in budget.py: a paused trial
 # holds no heartbeat row, so Optuna's reaper, which judges trials by theirs, passes it by.
-# tests/search/test_budget.py fails if the table changes.
-from optuna.storages._rdb.models import TrialHeartbeatModel
+# tests/search/test_pausing.py fails if these tables or columns change.
+# Likewise a resumed run's reports past its checkpoint, once that run is gone.
+from optuna.storages._rdb.models import (
+    TrialHeartbeatModel,
+    TrialIntermediateValueModel,
+    TrialSystemAttributeModel,
+)
 from optuna.trial import FrozenTrial, TrialState
 from optuna_dashboard import save_note
 
@@ -47,8 +52,10 @@ PAUSED_AT = "paused_at"  # user attribute: the step a trial is paused at; None o
 CHECKPOINT = "checkpoint"  # user attribute: {"id": the store's key, "step": its step}
 PAUSES = "pauses"  # user attribute: the steps it paused at, in order
 RESUMES = "resumes"  # user attribute: the steps it was resumed from, in order
-ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES)
+CLAIM = "resume_claim"  # user attribute: the claim of the run that resumed it last
+ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES, CLAIM)
 NOT_PROMOTED = "not_promoted"  # the prune reason of a trial still paused at the end
+MAX_RUNGS = 64  # more rungs than any training has: reduction factor 2 over 2**64 steps
 
 
 @dataclass(frozen=True)
@@ -102,43 +109,68 @@ def to_resume(trials: list[FrozenTrial], reduction_factor: int) -> FrozenTrial |
 
 
 def record_checkpoint(trial: optuna.Trial, step: int, checkpoint: str) -> str | None:
-    """Record the new `checkpoint` of the running `trial`, taken at `step`; returns the key of
-    the one it replaces (for the caller to remove), if any. The trial is marked paused once
-    its heartbeat has stopped (`repause`)."""
-    attrs = trial.storage.get_trial_user_attrs(trial._trial_id)
+    """Record the new `checkpoint` of the running `trial`, taken at `step` (the rung it
+    paused at with it); returns the key of the one it replaces (for the caller to remove),
+    if any. The trial is marked paused once its heartbeat has stopped (`repause`)."""
+    frozen = trial.storage.get_trial(trial._trial_id)
+    attrs = frozen.user_attrs
     old = attrs.get(CHECKPOINT)
-    trial.set_user_attr(CHECKPOINT, {"id": checkpoint, "step": step})
+    trial.set_user_attr(CHECKPOINT, {"id": checkpoint, "step": step,
+                                     "rung": rung_reached(frozen)})
     trial.set_user_attr(PAUSES, [*attrs.get(PAUSES, []), step])
     return old["id"] if old and old["id"] != checkpoint else None
 
 
-def drop_heartbeat(engine: sqlalchemy.Engine, trial_id: int) -> None:
-    """Remove a paused trial's heartbeat: no reaper then judges it. Called once its run's
-    heartbeat thread has stopped, which would write the row again."""
-    beats = TrialHeartbeatModel.__table__
+def _forget(engine: sqlalchemy.Engine, trial_id: int, checkpoint: dict[str, Any]) -> None:
+    """Remove the heartbeat of a trial put back to paused, and what a run resumed from its
+    checkpoint reported past it (its reports and the rungs it passed): the next run reports
+    those steps again, and the pruner and the promotion rule must see its values, not a dead
+    run's."""
+    beats, values = TrialHeartbeatModel.__table__, TrialIntermediateValueModel.__table__
+    attrs = TrialSystemAttributeModel.__table__
+    later = [rung_key(k) for k in range(checkpoint.get("rung", -1) + 1, MAX_RUNGS)]
     with engine.begin() as connection:
         connection.execute(sqlalchemy.delete(beats).where(beats.c.trial_id == trial_id))
+        connection.execute(sqlalchemy.delete(values).where(
+            values.c.trial_id == trial_id, values.c.step > checkpoint["step"]))
+        connection.execute(sqlalchemy.delete(attrs).where(
+            attrs.c.trial_id == trial_id, attrs.c.key.in_(later)))
 
 
-def claim(storage: optuna.storages.BaseStorage, trial_id: int) -> bool:
-    """Take a paused trial for this worker: unmarked and beating at once, so that it is seen
-    alive from its claim on. Under the study lock. False if it is no longer paused."""
+def claim(storage: optuna.storages.BaseStorage, trial_id: int, worker: str) -> str | None:
+    """Take a paused trial for `worker`: unmarked and beating at once, so that it is seen
+    alive from its claim on, and named this worker's (a launcher that sees the worker that
+    paused it die then leaves it alone). Under the study lock. Returns the claim, which the
+    run checks it still holds (`holds`), or None if the trial is no longer paused."""
     frozen = storage.get_trial(trial_id)
     if not is_paused(frozen):
-        return False
+        return None
+    token = uuid.uuid4().hex
     resumes = [*frozen.user_attrs.get(RESUMES, []), frozen.user_attrs[PAUSED_AT]]
+    storage.set_trial_user_attr(trial_id, CLAIM, token)
+    storage.set_trial_user_attr(trial_id, "worker", worker)
     storage.set_trial_user_attr(trial_id, RESUMES, resumes)
     storage.set_trial_user_attr(trial_id, PAUSED_AT, None)
     storage.record_heartbeat(trial_id)  # type: ignore[attr-defined]  # RDB storages beat
-    return True
+    return token
+
+
+def holds(storage: optuna.storages.BaseStorage, trial_id: int, token: str) -> bool:
+    """Whether the run that resumed a trial with claim `token` still holds it: a run whose
+    worker a reaper took for dead (an outage longer than the grace period) finds the trial
+    paused again, or resumed by another worker, and must write nothing more to it."""
+    trial = storage.get_trial(trial_id)
+    return (trial.state == TrialState.RUNNING and trial.user_attrs.get(CLAIM) == token
+            and trial.user_attrs.get(PAUSED_AT) is None)
 
 
 def repause(storage: optuna.storages.BaseStorage, engine: sqlalchemy.Engine,
             trial_id: int) -> bool:
     """Mark a running trial paused at its checkpoint and remove its heartbeat: a run that
     paused, once its heartbeat thread stopped (which would write the row again), or a resumed
-    run that ended without a result. Under the study lock, so no worker claims it between
-    the two. False (nothing done) for a trial without a checkpoint, or no longer running."""
+    run that ended without a result, whose reports past the checkpoint go too. Under the
+    study lock, so no worker claims it meanwhile. False (nothing done) for a trial without
+    a checkpoint, or no longer running."""
     trial = storage.get_trial(trial_id)
     checkpoint = checkpoint_of(trial)
     if checkpoint is None or trial.state != TrialState.RUNNING:
@@ -147,7 +179,7 @@ def repause(storage: optuna.storages.BaseStorage, engine: sqlalchemy.Engine,
         storage.set_trial_user_attr(trial_id, PAUSED_AT, checkpoint["step"])
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
-    drop_heartbeat(engine, trial_id)
+    _forget(engine, trial_id, checkpoint)
     return True
 
 
@@ -158,9 +190,8 @@ def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if not is_paused(trial):
             continue
-        storage = study._storage
-        storage.set_trial_user_attr(trial._trial_id, "prune_reason", NOT_PROMOTED)
         try:
+            study._storage.set_trial_user_attr(trial._trial_id, "prune_reason", NOT_PROMOTED)
             study.tell(trial.number, state=TrialState.PRUNED)
         except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
             continue  # another worker ended it first

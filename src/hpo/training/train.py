@@ -367,6 +367,7 @@ class TrainState:
     optimizer_steps: int
     epoch: int  # the epoch it stopped in (1-based)
     step: int  # that epoch's optimizer steps done
+    physical_batch: int  # the micro-batch it ran: the epoch's samples are laid out by it
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
@@ -436,20 +437,26 @@ class _Run:
         epoch, step = ((at.epoch + 1, 0) if at.step == self.progress.steps_per_epoch
                        else (at.epoch, at.step))
         return TrainState(
-            at.evaluations, at.optimizer_steps, epoch, step, self.model.state_dict(),
+            at.evaluations, at.optimizer_steps, epoch, step, self.plan.physical_batch,
+            self.model.state_dict(),
             self.stepper.optimizer.state_dict(), self.scheduler.state_dict(),
             self.stepper.scaler.state_dict(), rng_state(self.device), self.progress)
 
     def restore(self, state: TrainState) -> _Position:
         """The run put where `state` stood: weights, optimizer, schedule, scaler and
         counters (the model's weights first, as the optimizer's state is keyed by its
-        parameters); the random state is the loop's to put back, where the run stood."""
+        parameters; the device's peak is this device's); the random state is the loop's to
+        put back, where the run stood. The state's weights and moments are let go once
+        loaded, so the run does not hold a second copy of the model."""
         self.model.load_state_dict(state.model)
         self.stepper.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(state.scheduler)
         self.stepper.scaler.load_state_dict(state.scaler)
+        state.model.clear()
+        state.optimizer.clear()
         for name, value in dataclasses.asdict(state.progress).items():
-            setattr(self.progress, name, value)
+            if name not in ("peak_flops", "steps_per_epoch"):
+                setattr(self.progress, name, value)
         return _Position(state.epoch, state.step, state.optimizer_steps, state.evaluations)
 
 
@@ -483,17 +490,17 @@ def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Devic
         done = at.step if epoch == at.epoch else 0
         at.epoch, at.step = epoch, done
         progress.epoch, progress.step = epoch, done
-        steps = training_steps(
-            lengths, plan.effective_batch, plan.physical_batch, seed=plan.seed, epoch=epoch
-        )[done:]
+        steps = _epoch_steps(lengths, plan, epoch, resume if done else None)[done:]
         sampler.batches = [micro for step in steps for micro in step]
-        # The random state goes back where the paused run drew next: an epoch's loader
-        # draws its seed as it starts, so before a new epoch's, after a resumed one's.
-        if resume is not None and epoch == resume.epoch and not done:
-            set_rng_state(device, resume.rng)
+        # The random state goes back where the paused run drew next. A loader draws a seed
+        # as an epoch starts: every epoch's, or (persistent workers) only its first.
+        rng = resume.rng if resume is not None and epoch == resume.epoch else None
+        before = not done and not (loader.persistent_workers and loader.num_workers > 0)
+        if rng is not None and before:
+            set_rng_state(device, rng)
         batches = iter(loader)
-        if resume is not None and epoch == resume.epoch and done:
-            set_rng_state(device, resume.rng)
+        if rng is not None and not before:
+            set_rng_state(device, rng)
         started = time.perf_counter()
         for step in steps:
             running = torch.zeros((), device=device.torch_device)
@@ -521,6 +528,25 @@ def train(model: torch.nn.Module, train_data: Encoded, plan: Plan, device: Devic
                 return progress
             started = time.perf_counter()
     return progress
+
+
+def _epoch_steps(lengths: list[int], plan: Plan, epoch: int, resume: TrainState | None
+                 ) -> list[list[list[int]]]:
+    """The epoch's optimizer steps. An epoch a paused run stopped in keeps the samples of
+    each step as that run laid them out, by its micro-batch: where this run's differs (a
+    lowered batch limit, another device), each step's samples are cut again into this run's
+    micro-batches, the same gradient from the same samples, none twice, none skipped."""
+    steps = training_steps(lengths, plan.effective_batch, (
+        resume.physical_batch if resume is not None else plan.physical_batch),
+        seed=plan.seed, epoch=epoch)
+    if resume is None or resume.physical_batch == plan.physical_batch:
+        return steps
+    recut = []
+    for step in steps:
+        samples = sorted((i for micro in step for i in micro), key=lambda i: -lengths[i])
+        recut.append([samples[k:k + plan.physical_batch]
+                      for k in range(0, len(samples), plan.physical_batch)])
+    return recut
 
 
 def _micro_step(run: _Run, host: dict[str, torch.Tensor], pos_weight: torch.Tensor | None

@@ -25,6 +25,7 @@ import torch
 
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
+from hpo.outcome import Reaped
 from hpo.search import artifacts, pausing
 from hpo.training import adapters, memory, metrics
 from hpo.training.models import ModelStore
@@ -201,6 +202,7 @@ class _TrialListener:
     prepared: torch.nn.Module | None = None  # for the compiler's failure, once built
     progress: Progress | None = None
     warned: str | None = None
+    claim: str | None = None  # a resumed run's claim on its trial (`pausing.holds`)
 
     def value(self) -> float:
         study = self.run.config.study
@@ -220,6 +222,7 @@ class _TrialListener:
         epoch = as_epochs(index, plan.evaluations_per_epoch)
         context.display.epoch(context.trial.number, epoch, plan.epochs, score)
         value = self.value()
+        self.still_held()
         context.write(lambda trial: trial.report(value, index))
         # After the last evaluation the compute is spent: the result is kept, not pruned.
         if index < plan.evaluations and context.trial.should_prune():
@@ -230,6 +233,15 @@ class _TrialListener:
     def stepped(self, progress: Progress) -> None:
         self.progress = progress
         self.run.context.display.step(self.run.trial.number, progress, self.run.plan.epochs)
+
+    def still_held(self) -> None:
+        """Raise Reaped where this run resumed its trial and no longer holds it."""
+        trial = self.run.trial
+        if self.claim is not None and not pausing.holds(trial.storage, trial._trial_id,
+                                                         self.claim):
+            raise Reaped(f"trial {trial.number} was put back to paused while this run "
+                         f"resumed it (its heartbeats were lost): what it trained since its "
+                         f"checkpoint is dropped")
 
     def finished(self) -> None:
         """The records of the training's end, once the model was built: also after a
@@ -253,7 +265,7 @@ def train_trial(run: TrialRun) -> Trained:
     # weights than needed, never fewer.
     floor = (artifacts.floor(run.context.study, resources.keeper.best)
              if resources.keeper is not None else None)
-    resume = resumed(run)
+    resume, heard.claim = resumed(run)
     if resume is not None:
         heard.scores.extend(resume.scores)
     job = FitJob(resources.models, run.model_name, planned.training, run.plan,
@@ -264,6 +276,7 @@ def train_trial(run: TrialRun) -> Trained:
     try:
         model, epoch = fit(job, resources, heard)
     except FitPaused as paused:
+        heard.still_held()
         raise pause(run, paused.checkpoint) from None
     finally:
         heard.finished()
@@ -278,23 +291,25 @@ class TrialPaused(Exception):
         self.step = step
 
 
-def resumed(run: TrialRun) -> Checkpoint | None:
-    """The checkpoint the trial goes on from: a trial holds one only from its first pause on,
-    and runs again only when a worker resumes it."""
+def resumed(run: TrialRun) -> tuple[Checkpoint | None, str | None]:
+    """The checkpoint the trial goes on from, and the claim of the worker that resumed it: a
+    trial holds one only from its first pause on, and runs again only when a worker resumes
+    it. Read to the host: the run loads it onto the device itself, weights into the model's
+    own tensors, and a second copy on the device would not fit its batch."""
     if not run.config.study.pruner.pause:
-        return None
+        return None, None
     trial = run.trial
-    checkpoint = pausing.checkpoint_of(trial.storage.get_trial(trial._trial_id))
-    store = run.resources.checkpoints
+    attrs = trial.storage.get_trial(trial._trial_id).user_attrs
+    checkpoint, store = attrs.get(pausing.CHECKPOINT), run.resources.checkpoints
     if checkpoint is None:
-        return None
+        return None, None
     if store is None:
         raise RuntimeError(f"trial {trial.number} resumes from a checkpoint, but this worker "
                            f"has no artifact store to read it from")
-    payload = pausing.load(store, checkpoint["id"], run.resources.device.torch_device)
+    payload = pausing.load(store, checkpoint["id"], torch.device("cpu"))
     if not isinstance(payload, Checkpoint):
         raise RuntimeError(f"trial {trial.number}'s checkpoint {checkpoint['id']} is not one")
-    return payload
+    return payload, attrs.get(pausing.CLAIM)
 
 
 def pause(run: TrialRun, checkpoint: Checkpoint) -> TrialPaused:
