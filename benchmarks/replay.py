@@ -507,6 +507,9 @@ class PromotionPolicy:
     # Tell a paused trial PRUNED, and resume it as a new trial of the same parameters (Optuna
     # has no PRUNED -> RUNNING): the sampler then sees a pause as it sees a stop.
     tell_paused: bool = False
+    # Trials mode: a paused trial gives its slot of the trial budget back (a resume takes
+    # one again), so N trials are trained to their end or stopped, besides those paused.
+    frees_slot: bool = False
     values: dict[int, list[tuple[float, PromotingRun]]] = field(default_factory=dict)
     waiting: dict[int, list[PromotingRun]] = field(default_factory=dict)
 
@@ -618,11 +621,15 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
             seconds += table.costs.tokenization.get(config.model, 0.0)
         return seconds
 
+    frees = getattr(policy, "frees_slot", False)
+
     def start(worker: int, now: float) -> None:
         nonlocal counter
         if budget is None and now >= horizon:
             return
-        if budget is not None and counter >= budget:
+        if budget is not None and frees and counter - len(paused) >= budget:
+            return  # every slot held by a trial that trains or ended: nothing starts
+        if budget is not None and not frees and counter >= budget:
             # As `hpo run --n-trials N` under study.pruner.pause: no new trial past the
             # budget, but a paused one that a rung promotes still resumes.
             resumable = getattr(policy, "resumable", None)
@@ -948,6 +955,9 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
                                                 study, "hpo-promotion"), ground.demo)
     build["hpo-pause"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-pause"),
                                             study, "hpo-pause", eager=True), ground.demo)
+    build["hpo-pause-free"] = lambda: (dataclasses.replace(promoting(
+        hpo_policy(study, ground, seed, "hpo-pause-free"), study, "hpo-pause-free",
+        eager=True), frees_slot=True), ground.demo)
     build["hpo-pause-pruned"] = lambda: (promoting(
         hpo_policy(study, ground, seed, "hpo-pause-pruned"), study, "hpo-pause-pruned",
         eager=True, tell_paused=True), ground.demo)

@@ -249,6 +249,18 @@ def test_past_the_trial_budget_a_promoted_paused_trial_still_resumes(curves):
     assert len(policy.runs) == 2 and policy.runs[0].epochs == [1, 2, 3, 4]
 
 
+def test_a_paused_trial_that_frees_its_slot_lets_a_new_trial_start_past_the_budget(curves):
+    # --n-trials 1: a paused trial that holds its slot ends the search there; one that gives
+    # it back (frees_slot) lets trial 1 run, whose end promotes trial 0, but no slot is left.
+    holding = replay.simulate(Promoting([config(TINY)] * 5), curves, 0, 1, budget=1)
+    assert [t.state for t in holding] == ["PAUSED"]
+    freeing = Promoting([config(TINY)] * 5)
+    freeing.frees_slot = True
+    trials = replay.simulate(freeing, curves, 0, 1, budget=1)
+    assert [t.state for t in trials] == ["PAUSED", "COMPLETE"]
+    assert [len(r.epochs) for r in freeing.runs] == [1, 4]
+
+
 def demo_study(*sets: str):
     from hpo import study_files
 
