@@ -9,12 +9,16 @@ heartbeat, so it holds its slot of the budget, the sampler counts it as running,
 reaper takes it for dead. A free worker, before it samples a new trial, resumes the paused
 trial that now ranks in its rung's top 1/reduction_factor (later, poorer trials made room),
 the highest rung first and the best value first, and trains it on from its checkpoint: no
-epoch is trained twice. Once the budget is all started and nothing runs, nothing can promote
-what is still paused: those trials end PRUNED, as stopping would have ended them.
+epoch is trained twice. Once the budget is all started (or the last worker's `--timeout` is
+up) and nothing else runs, nothing can promote what is still paused: those trials end
+PRUNED, as stopping would have ended them.
 
 A resumed trial whose run ends without a result (its worker killed, interrupted or reaped)
 goes back to paused at its checkpoint (`repause`) instead of failing: what it trained since
-is lost, what it trained before is not. The checkpoint leaves the store when its trial ends.
+is lost (its reports past the checkpoint are removed), what it trained before is not. A
+resume is a claim (`claim`, a token on the trial): a run cut off while its trial was put
+back to paused finds its claim lapsed (`holds`) and writes nothing more. The checkpoint
+leaves the store when its trial ends.
 
 Marks and claims are written under the study lock (`budget.study_lock`), as every claim is.
 """
