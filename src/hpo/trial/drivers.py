@@ -319,7 +319,11 @@ def pause(run: TrialRun, checkpoint: Checkpoint) -> TrialPaused:
     assert store is not None  # a study that pauses opens its store before any trial
     step = checkpoint.train.evaluations
     key = pausing.save(store, trial.number, checkpoint)
-    old = run.context.write(lambda live: pausing.record_checkpoint(live, step, key))
+    try:
+        old = run.context.write(lambda live: pausing.record_checkpoint(live, step, key))
+    except BaseException:
+        pausing.remove(store, key)  # recorded nowhere: no run could resume from it
+        raise
     pausing.remove(store, old)
     return TrialPaused(trial.number, step, as_epochs(step, run.plan.evaluations_per_epoch))
 
