@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 import sqlalchemy
-import torch
 
 # Optuna's RDB schema (private, versioned by its migrations), as in budget.py: a paused trial
 # holds no heartbeat row, so Optuna's reaper, which judges trials by theirs, passes it by.
@@ -50,6 +49,7 @@ from optuna_dashboard import save_note
 from hpo.search.pruning import rung_key
 
 if TYPE_CHECKING:
+    import torch
     from optuna.artifacts._protocol import ArtifactStore
 
 PAUSED_AT = "paused_at"  # user attribute: the step a trial is paused at; None once resumed
@@ -233,6 +233,8 @@ def save(store: ArtifactStore, number: int, payload: object) -> str:
     """Write a paused run's checkpoint (`payload`, saved by torch) to the store; returns its
     key. A key of its own each time: a new pause never overwrites the checkpoint a crash
     could still need."""
+    import torch  # here: the commands that check a study file answer before torch loads
+
     key = f"checkpoint-trial-{number}-{uuid.uuid4().hex}"
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -241,7 +243,9 @@ def save(store: ArtifactStore, number: int, payload: object) -> str:
     return key
 
 
-def load(store: ArtifactStore, key: str, device: torch.device) -> Any:
+def load(store: ArtifactStore, key: str, device: torch.device | str) -> Any:
+    import torch
+
     with store.open_reader(key) as reader:
         data = io.BytesIO(reader.read())
     # Our own checkpoint (weights, optimizer and scheduler state, counters, dataclasses):
