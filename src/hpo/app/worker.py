@@ -254,8 +254,7 @@ def _settle_pause(study: optuna.Study, storage: ResilientRDBStorage,
     """Mark a trial that paused paused, under the lock, once its heartbeat thread has stopped
     (which would write the row `repause` removes again), and say so on the dashboard."""
     with budget.study_lock(storage.engine, study.study_name):
-        if pausing.repause(storage, storage.engine, trial._trial_id):
-            pausing.note(study, trial._trial_id)
+        pausing.put_back(study, storage, storage.engine, trial._trial_id)
 
 
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
@@ -328,9 +327,7 @@ def _interrupted(study: optuna.Study, storage: ResilientRDBStorage, trial: optun
     """What becomes of the trial Ctrl-C or SIGTERM interrupted: a resumed one goes back to
     paused at its checkpoint (`pausing.repause`), any other is freed (`executor.free`)."""
     with budget.study_lock(storage.engine, study.study_name):
-        repaused = pausing.repause(storage, storage.engine, trial._trial_id)
-        if repaused:
-            pausing.note(study, trial._trial_id)
+        repaused = pausing.put_back(study, storage, storage.engine, trial._trial_id)
     if repaused:
         return f"trial {trial.number} interrupted: paused again at its last checkpoint"
     return free(study, trial, stop)

@@ -116,8 +116,7 @@ def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> N
     with storage.engine.connect() as connection:
         stale = budget.stale_trial_ids(connection, study_id, grace - interval)
     for trial_id in stale:
-        if pausing.repause(storage, storage.engine, trial_id):
-            pausing.note(study, trial_id)
+        pausing.put_back(study, storage, storage.engine, trial_id)
     with warnings.catch_warnings():
         # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -168,8 +167,7 @@ def fail_dead_worker(study: optuna.Study, storage: ResilientRDBStorage, worker: 
         for trial in running:
             if trial.user_attrs.get("worker") != worker or pausing.is_paused(trial):
                 continue
-            if pausing.repause(storage, storage.engine, trial._trial_id):
-                pausing.note(study, trial._trial_id)
+            if pausing.put_back(study, storage, storage.engine, trial._trial_id):
                 continue  # a resumed trial: back to paused at its checkpoint
             try:
                 # The reason before the state: a finished trial takes no attribute. Its copy

@@ -187,6 +187,15 @@ def repause(storage: optuna.storages.BaseStorage, engine: sqlalchemy.Engine,
     return True
 
 
+def put_back(study: optuna.Study, storage: optuna.storages.BaseStorage,
+             engine: sqlalchemy.Engine, trial_id: int) -> bool:
+    """`repause`, and the trial's dashboard note saying so (`note`)."""
+    if not repause(storage, engine, trial_id):
+        return False
+    note(study, trial_id)
+    return True
+
+
 def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int]:
     """End every paused trial PRUNED (nothing can promote them any more) and remove their
     checkpoints; returns their numbers. Under the study lock."""
