@@ -271,6 +271,9 @@ class OptunaPolicy:
     report_value: Callable[[list[float]], float] = best
     tell_value: Callable[[list[float]], float] = best
     step_of: Callable[[int, Any], int] = by_epoch
+    # Trials mode under hpo's `study.budget: trainings`: the epochs of one full training, a
+    # budget of N counting N of them (None: N trials, as every peer counts).
+    training_steps: int | None = None
 
     def ask(self) -> Running:
         trial = self.study.ask()
@@ -518,6 +521,10 @@ class PromotionPolicy:
         return self.base.startup
 
     @property
+    def training_steps(self) -> int | None:
+        return self.base.training_steps
+
+    @property
     def gap(self) -> float:
         return self.base.gap
 
@@ -550,12 +557,13 @@ class PromotionPolicy:
         keep = len(ranked) // self.reduction_factor
         return [run for _, run in ranked[:max(keep, 1) if self.eager else keep]]
 
-    def resumable(self) -> PromotingRun | None:
-        """The paused run a free worker resumes, if a rung promotes one: of the highest rung,
-        the best first."""
+    def resumable(self, fits: Callable[[PromotingRun], bool] = lambda _: True
+                  ) -> PromotingRun | None:
+        """The paused run a free worker resumes, if a rung promotes one (and it `fits` the
+        budget): of the highest rung, the best first."""
         for rung in reversed(range(len(self.steps))):
             for run in self.top(rung):
-                if run in self.waiting.get(rung, []):
+                if run in self.waiting.get(rung, []) and fits(run):
                     self.waiting[rung].remove(run)
                     return self.resume(run)
         return None
@@ -622,14 +630,41 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         return seconds
 
     frees = getattr(policy, "frees_slot", False)
+    unit = getattr(policy, "training_steps", None) if budget is not None else None
+
+    def room() -> int:
+        """Under a budget of trainings: the epochs left once every trial's are counted, a
+        running trial's whole curve (it may train them all), a paused or ended one's trained."""
+        held = {number for number, _, _ in paused.values()}
+        committed = sum(len(t.scores) for t in finished) + sum(
+            len(curve.scores) for number, (_, curve, _, _) in running.items()
+            if number not in held)
+        return budget * unit - committed
+
+    def fits(run: Any) -> bool:
+        number, epoch, _ = paused[id(run)]
+        return len(running[number][1].scores) - epoch <= room()
 
     def start(worker: int, now: float) -> None:
         nonlocal counter
         if budget is None and now >= horizon:
             return
-        if budget is not None and frees and counter - len(paused) >= budget:
+        if unit is not None:
+            # As `hpo run --n-trials N` under study.budget: trainings: a trial starts, or a
+            # paused one resumes, only while all it may train fits; a worker waits while a
+            # running trial may still give some back.
+            if room() >= unit:
+                run = policy.ask()
+            else:
+                resumable = getattr(policy, "resumable", None)
+                run = resumable(fits) if resumable is not None else None
+                if run is None:
+                    if len(running) > len(paused):
+                        idle.add(worker)
+                    return
+        elif budget is not None and frees and counter - len(paused) >= budget:
             return  # every slot held by a trial that trains or ended: nothing starts
-        if budget is not None and not frees and counter >= budget:
+        elif budget is not None and not frees and counter >= budget:
             # As `hpo run --n-trials N` under study.pruner.pause: no new trial past the
             # budget, but a paused one that a rung promotes still resumes.
             resumable = getattr(policy, "resumable", None)
@@ -688,6 +723,10 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         finished.append(Finished(began, now, run.config, curve.scores[:epoch],
                                  "PRUNED" if pruned else "COMPLETE"))
         start(worker, now + policy.gap)
+        if unit is not None:  # what it did not train may let a waiting worker start
+            for waiting in sorted(idle):
+                idle.discard(waiting)
+                start(waiting, now + policy.gap)
     return finished
 
 
@@ -827,7 +866,17 @@ def hpo_policy(config: config_module.StudyConfig, ground: Ground, seed: int, nam
             for m in getattr(ground.table, "models", [])} if costs_of != "hpo" else {}
     return OptunaPolicy(name, study, sample, facts.startup.get(costs_of, 0.0), slow,
                         facts.gaps.get(costs_of, 0.0), report_value=report_value or value,
-                        tell_value=value)
+                        tell_value=value,
+                        training_steps=(config.max_steps() if config.study.budget == "trainings"
+                                        else None))
+
+
+def hpo_search(config: config_module.StudyConfig, ground: Ground, seed: int, name: str
+               ) -> Policy:
+    """hpo's search as its study file sets it: `hpo_policy`, in promotion form where
+    `study.pruner.pause` pauses what its rungs would stop (`PromotionPolicy`)."""
+    policy = hpo_policy(config, ground, seed, name)
+    return promoting(policy, config, name, eager=True) if config.study.pruner.pause else policy
 
 
 def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
@@ -849,7 +898,7 @@ def policies(names: list[str], ground: Ground, seed: int,
     build = builders(ground, seed)
     for label, sets in (variants or {}).items():
         build[label] = functools.partial(
-            lambda sets, label: (hpo_policy(with_overrides(ground.study, *sets), ground, seed,
+            lambda sets, label: (hpo_search(with_overrides(ground.study, *sets), ground, seed,
                                             label), ground.demo), sets, label)
     unknown = [n for n in names if n not in build]
     if unknown:
@@ -918,7 +967,7 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
         return glue("novice", "novice", seed, optuna.pruners.NopPruner(), tell_value=last)
 
     def ours(config: config_module.StudyConfig, name: str) -> tuple[Policy, bool]:
-        return hpo_policy(config, ground, seed, name), ground.demo
+        return hpo_search(config, ground, seed, name), ground.demo
 
     def ray(name: str, factor: int) -> tuple[Policy, bool]:
         return RayPolicy(name, space, of["expert"], seed, epochs, startup, factor,

@@ -122,6 +122,7 @@ class Scripted:
     heard: list[int] = field(default_factory=list)
     reports: int = 0
     told: list[tuple[int, bool]] = field(default_factory=list)
+    training_steps: int | None = None  # as hpo's under study.budget: trainings
 
     def ask(self) -> Scripted.Run:
         self.heard.append(self.reports)
@@ -207,8 +208,10 @@ class Promoting:
     def slowdown(self, model: str) -> float:
         return 1.0
 
-    def resumable(self) -> Promoting.Run | None:
-        return self.promoted.pop() if self.promoted else None
+    training_steps: int | None = None
+
+    def resumable(self, fits=lambda _: True) -> Promoting.Run | None:
+        return self.promoted.pop() if self.promoted and fits(self.promoted[-1]) else None
 
     @dataclass(eq=False)
     class Run:
@@ -259,6 +262,44 @@ def test_a_paused_trial_that_frees_its_slot_lets_a_new_trial_start_past_the_budg
     trials = replay.simulate(freeing, curves, 0, 1, budget=1)
     assert [t.state for t in trials] == ["PAUSED", "COMPLETE"]
     assert [len(r.epochs) for r in freeing.runs] == [1, 4]
+
+
+def test_a_budget_of_trainings_counts_epochs_and_gives_back_what_a_stop_did_not_train(curves):
+    # --n-trials 2 under study.budget: trainings: 8 epochs. Trial 0 stops after 1, trial 1
+    # after 2, so trial 2 fits (3 + 4 <= 8) and trains its 4; then 1 epoch is left, too few
+    # for a whole training, and nothing starts. Counted in trials, 2 would have run.
+    stops = {0: 1, 1: 2}
+    counted = Scripted([config(TINY)] * 5, stop_at=stops, training_steps=4)
+    trials = replay.simulate(counted, curves, 0, 1, budget=2)
+    assert [(t.state, len(t.scores)) for t in trials] == [
+        ("PRUNED", 1), ("PRUNED", 2), ("COMPLETE", 4)]
+    assert len(replay.simulate(Scripted([config(TINY)] * 5, stop_at=stops), curves, 0, 1,
+                               budget=2)) == 2
+    # Unpruned, a budget of trainings is a budget of trials.
+    whole = replay.simulate(Scripted([config(TINY)] * 5, training_steps=4), curves, 0, 1,
+                            budget=3)
+    assert [len(t.scores) for t in whole] == [4, 4, 4]
+
+
+def test_under_a_budget_of_trainings_a_running_trial_holds_all_it_may_train(curves):
+    # Two workers, 8 epochs. Both trials stop after 1 epoch at 9 s. When trial 0 stops,
+    # trial 1 may still train 4: 1 + 4 leaves 3, so worker 0 waits. Trial 1's stop leaves 6:
+    # trial 2 starts on worker 1 and trains 4, after which 2 are left, and both workers end.
+    policy = Scripted([config(TINY)] * 5, stop_at={0: 1, 1: 1}, training_steps=4)
+    trials = replay.simulate(policy, curves, 0, 2, budget=2)
+    assert [(t.state, len(t.scores)) for t in trials] == [
+        ("PRUNED", 1), ("PRUNED", 1), ("COMPLETE", 4)]
+    assert sum(len(t.scores) for t in trials) <= 8
+
+
+def test_under_a_budget_of_trainings_a_promoted_trial_resumes_if_what_it_has_left_fits(curves):
+    # 8 epochs: trial 0 pauses after 1, trial 1 trains 4, leaving 3: too few for a new
+    # trial, enough for the 3 trial 0 has left, which resumes once trial 1 promotes it.
+    policy = Promoting([config(TINY)] * 5)
+    policy.training_steps = 4
+    trials = replay.simulate(policy, curves, 0, 1, budget=2)
+    assert [(t.state, len(t.scores)) for t in trials] == [("COMPLETE", 4), ("COMPLETE", 4)]
+    assert policy.runs[0].epochs == [1, 2, 3, 4]
 
 
 def demo_study(*sets: str):

@@ -308,6 +308,13 @@ class StudySection(_Section):
     objective_epoch: Literal["best", "last"] = "best"
     """A trial's value: its best epoch's score (the epoch is recorded as `value_epoch`) or
     its last epoch's."""
+    budget: Literal["trials", "trainings"] = "trials"
+    """What `--n-trials N` counts. `trials` (Optuna's): N trials finished or running.
+    `trainings`: the compute of N full trainings, N x the steps a trial reports (its epochs
+    x `training.evaluations_per_epoch`); a trial starts, or a paused one resumes, only while
+    all it may train still fits beside what the study trained and what its running trials
+    may still train. A pruned or paused trial gives back what it did not train, so more
+    trials run, and the study never trains more than N trainings."""
     max_consecutive_failures: Annotated[int, Field(ge=1)] = 3
     """A worker stops (exit 1) after this many FAILed trials in a row instead of burning
     the budget."""

@@ -108,3 +108,22 @@ def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one
     # before that checkpoint.
     assert len(resumes) >= 2 and resumes[0] == resumes[1] == again.user_attrs[pausing.PAUSES][0]
     assert not any(t.system_attrs.get("retry_history") for t in trials)
+
+
+def test_under_a_budget_of_trainings_pausing_trains_at_most_n_full_trainings(
+        tmp_path, tiny_model, tiny_model_b, small_data):
+    """`study.budget: trainings`: `--n-trials 4` of 4 epochs buys 16 epochs; paused and
+    stopped trials give back what they did not train, so more than 4 trials run, and no
+    epoch is trained twice or past the budget."""
+    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data,
+                               budget="trainings")
+    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
+    assert run_in_process(study_file, storage, 4) == 0
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert_ended_cleanly(trials, len(trials), tmp_path / "hpo-artifacts")
+    assert len(trials) > 4
+    assert sum(max(t.intermediate_values) for t in trials) <= 16
+    assert any(t.user_attrs.get(pausing.PAUSES) for t in trials)
+    # A second worker finds nothing left to start: no whole training fits.
+    assert run_in_process(study_file, storage, 4) == 0
+    assert len(optuna.load_study(study_name="tiny", storage=storage).trials) == len(trials)

@@ -51,6 +51,46 @@ def test_a_worker_stops_at_the_study_total(bare_study):
     assert (again.ran, again.finished) == (0, 3)
 
 
+def pruned_after(steps: int):
+    """A trial runner that reports `steps` steps and prunes every trial there."""
+
+    def run(context):
+        trial = context.trial
+        trial.suggest_float("x", 0.0, 1.0)
+        for step in range(1, steps + 1):
+            trial.report(0.1 * step, step)
+        return Outcome(TrialState.PRUNED), context.study.tell(trial, state=TrialState.PRUNED)
+
+    return run
+
+
+def test_a_budget_of_trainings_runs_trials_until_no_whole_training_fits(bare_study):
+    # --n-trials 3 of 4 steps each: 12 steps. Each trial stops after 1, so trials start
+    # while 4 are left: 9 of them, where a budget of trials would run 3.
+    study, storage = bare_study
+    limits = Limits(3, trainings=worker.budget.Trainings(3, 4))
+    result = run_worker(study, storage, pruned_after(1), Quiet(), limits)
+    assert (result.ran, result.finished) == (9, 9)
+    assert sum(max(t.intermediate_values) for t in study.trials) == 9
+    again = run_worker(study, storage, pruned_after(1), Quiet(), limits)
+    assert (again.ran, again.finished) == (0, 9)
+    assert worker.budget_left(study, storage, limits) is False
+    assert worker.budget_left(study, storage, Limits(4, trainings=worker.budget.Trainings(
+        4, 4))) is True
+
+
+def test_the_budget_words_say_what_n_trials_bought():
+    pruned = console.Spent(20, 11.25, counted=False)
+    assert pruned.words(20) == (
+        "the study has 20 of 20 finished: 11.2 full trainings' worth of epochs; "
+        "study.budget: trainings makes --n-trials count full trainings")
+    assert console.Spent(20, 20.0, counted=False).words(20) == (
+        "the study has 20 of 20 finished: 20.0 full trainings' worth of epochs")
+    assert console.Spent(20, 19.5, counted=True).words(37) == (
+        "the study has 37 finished: 19.5 of 20 full trainings' worth of epochs "
+        "(study.budget: trainings)")
+
+
 def test_failed_trials_free_their_slot_and_three_in_a_row_stop_the_worker(bare_study):
     study, storage = bare_study
     with pytest.raises(WorkerStopped, match="3 trials in a row failed; last error: broken"):
@@ -206,7 +246,8 @@ def test_a_run_says_the_study_first_and_what_to_run_next(tiny_study, tmp_path, c
     assert "none" not in out.replace("peft=none", "")
     assert "  1/2 trials finished, about " in out and " left" in out
     assert "  2/2 trials finished" in out
-    assert "this worker ran 2 trials; the study has 2 of 2 finished" in out
+    assert ("this worker ran 2 trials; the study has 2 of 2 finished: 2.0 full trainings' "
+            "worth of epochs") in out
     assert f"the study is in {storage}" in out
     assert lines[-1].startswith(f"next: hpo final --config {tiny_study}")
 
@@ -217,6 +258,9 @@ def test_the_pace_of_a_study_gives_the_time_left():
     assert pace.progress(5, 20) == "  5/20 trials finished, about 5 min left"
     assert pace.progress(20, 20) == "  20/20 trials finished"
     assert pace.progress(7, float("inf")) == "  7 trials finished"
+    trained = worker.Pace(since=time.monotonic() - 60, first=2.0)
+    assert trained.progress(9, 20, spent=5.0) == (
+        "  9 trials finished, 5.0/20 trainings trained, about 5 min left")
     assert [worker.duration(s) for s in (42, 600, 7200)] == ["42 s", "10 min", "2.0 h"]
     assert [console.plural(n, "trial") for n in (0, 1, 2)] == ["0 trials", "1 trial", "2 trials"]
 

@@ -48,6 +48,51 @@ def test_a_worker_claims_only_below_the_budget(counts, claims):
     assert budget.may_claim(counts, 3) is claims
 
 
+def test_steps_trained_in_the_database_match_the_loaded_trials(any_storage):
+    """Per trial: the steps it reported (at least one), and whether it trains (RUNNING, not
+    paused); FAIL and WAITING trials hold nothing."""
+    storage = open_storage(any_storage)
+    study = optuna.create_study(study_name="t", storage=storage)
+
+    def trial_with(steps: int, state: TrialState | None, **attrs) -> None:
+        trial = study.ask()
+        for step in range(1, steps + 1):
+            trial.report(0.1 * step, step)
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        if state is not None:
+            study.tell(trial, 0.5 if state == TrialState.COMPLETE else None, state=state)
+
+    trial_with(4, TrialState.COMPLETE)
+    trial_with(1, TrialState.PRUNED)
+    trial_with(0, TrialState.PRUNED)  # an OOM before any epoch still costs its set-up
+    trial_with(3, TrialState.FAIL)  # its retry copy carries its reports: counted there
+    trial_with(2, None)  # training
+    trial_with(1, None, paused_at=1)  # paused at step 1
+    trial_with(2, None, paused_at=None)  # resumed
+    study.enqueue_trial({})
+    study_id = storage.get_study_id_from_name("t")
+    with budget.study_lock(storage.engine, "t") as connection:
+        counted = budget.trained_in_database(connection, study_id)
+    expected = [budget.Trained(4, False), budget.Trained(1, False), budget.Trained(1, False),
+                budget.Trained(2, True), budget.Trained(1, False), budget.Trained(2, True)]
+    assert sorted(counted, key=repr) == sorted(expected, key=repr)
+    assert sorted(budget.trained_of(study.get_trials()), key=repr) == sorted(expected, key=repr)
+    storage.engine.dispose()
+
+
+def test_a_budget_of_trainings_holds_each_training_trials_whole_training():
+    trainings = budget.Trainings(3, 4)  # 12 steps
+    trained = [budget.Trained(4, False), budget.Trained(1, False), budget.Trained(2, True)]
+    # 4 + 1 trained, the running trial may train 4: 3 left, too few for a new trial
+    assert trainings.room(trained) == 3
+    assert trainings.spent(trained) == pytest.approx(7 / 4)
+    assert trainings.room([]) == 12
+    # Unpruned, N trainings are N trials: the third starts with 4 left, a fourth never.
+    assert trainings.room([budget.Trained(4, False)] * 2) == 4
+    assert trainings.room([budget.Trained(4, False)] * 3) == 0
+
+
 def test_workers_leave_enqueued_sets_beyond_the_budget_waiting(pg_url):
     """Issue 30: with more sets enqueued than the budget, every worker took one while any
     waited, so three workers finished 4 trials for a budget of 2."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
@@ -171,9 +172,11 @@ def plural(n: int, word: str) -> str:
 def study_lines(site: Prepared, pinned: PinnedSpace, finished: int, n_trials: float
                 ) -> list[str]:
     """What a worker says first: the study, its budget and device; then data and precisions."""
-    goal = ("no trial budget" if math.isinf(n_trials)
-            else f"{finished}/{n_trials:g} trials finished")
     config, splits = site.config, site.splits
+    goal = ("no trial budget" if math.isinf(n_trials)
+            else f"{finished}/{n_trials:g} trials finished"
+            if config.study.budget == "trials"
+            else f"{finished} trials finished, a budget of {n_trials:g} full trainings")
     data = config.data
     return [
         f"study '{config.study.name}' on {redact(site.url)}: {goal}; device "
@@ -258,18 +261,41 @@ def below_baseline_warning(study: optuna.Study, objective: str, baseline: float)
             f"epochs, more trials or another learning-rate range")
 
 
-def closing_lines(study: optuna.Study, url: str, counts: tuple[int, int], n_trials: float,
+@dataclass(frozen=True)
+class Spent:
+    """What the study's `--n-trials` bought: its trials' steps came to `trainings` full
+    trainings; `counted`: the budget counts those (`study.budget: trainings`)."""
+
+    n_trials: float
+    trainings: float
+    counted: bool
+
+    def words(self, finished: int) -> str:
+        worth = f"{self.trainings:.1f} full trainings' worth of epochs"
+        if math.isinf(self.n_trials):
+            return f"the study has {finished} finished: {worth}"
+        if self.counted:
+            return (f"the study has {finished} finished: {self.trainings:.1f} of "
+                    f"{self.n_trials:g} full trainings' worth of epochs (study.budget: "
+                    f"trainings)")
+        said = f"the study has {finished} of {self.n_trials:g} finished: {worth}"
+        if self.trainings >= finished - 0.05:
+            return said
+        # A plain Optuna loop of N unpruned trials trains N full trainings: say that these
+        # N trained less, so that nobody compares N trials with N trials unawares.
+        return f"{said}; study.budget: trainings makes --n-trials count full trainings"
+
+
+def closing_lines(study: optuna.Study, url: str, counts: tuple[int, int], spent: Spent,
                   keeper: artifacts.Keeper | None, next_command: str) -> list[str]:
     """Where the results are and what to run next, after the best trial: `counts` are the
-    trials this worker ran and the study's finished trials."""
+    trials this worker ran and the study's finished trials, `spent` what its budget bought."""
     ran, finished = counts
-    budget_text = "" if math.isinf(n_trials) else f" of {n_trials:g}"
     where = f"the study is in {redact(url)}"
     if keeper is not None and artifacts.kept(study):
         where += f"; the best trials' models in {keeper.where}"
     return [
-        f"this worker ran {plural(ran, 'trial')}; the study has {finished}{budget_text} "
-        f"finished",
+        f"this worker ran {plural(ran, 'trial')}; {spent.words(finished)}",
         where,
         f"next: hpo final {next_command}  (train the best trial again, score it on the "
         f"test split, export a model)",

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import optuna
+import sqlalchemy
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import faults, hardware
 from hpo.app import console, isolation
 from hpo.app.console import ConsoleDisplay
 from hpo.app.preflight import Prepared
+from hpo.config import StudyConfig
 from hpo.errors import WorkerStopped
 from hpo.outcome import GivenBack, Outcome
 from hpo.search import artifacts, budget, pausing
@@ -64,6 +66,7 @@ class WorkerSetup:
     study: optuna.Study
     resources: Resources
     finished: int  # the study's finished trials when the worker joined
+    left: bool  # whether its budget (`--n-trials`) had anything left to run then
 
 
 def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> WorkerSetup:
@@ -92,12 +95,20 @@ def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> W
     small = console.small_data_warning(site.splits)
     if small:
         display.warning(small)
-    if finished < orders.n_trials and not config.training.isolate_trials:
+    left = budget_left(study, storage, Limits(orders.n_trials,
+                                              trainings=trainings_of(config, orders.n_trials)))
+    if left and not config.training.isolate_trials:
         began = time.perf_counter()
         sources = resources.preload()
         if orders.verbose:
             display.message(console.preloaded_line(sources, time.perf_counter() - began))
-    return WorkerSetup(study, resources, finished)
+    return WorkerSetup(study, resources, finished, left)
+
+
+def budget_left(study: optuna.Study, storage: ResilientRDBStorage, limits: Limits) -> bool:
+    study_id = storage.get_study_id_from_name(study.study_name)
+    with budget.study_lock(storage.engine, study.study_name) as connection:
+        return not standing(connection, study_id, limits).done(limits)
 
 
 def work(site: Prepared, orders: Orders) -> None:
@@ -109,9 +120,12 @@ def work(site: Prepared, orders: Orders) -> None:
     setup = prepare_worker(site, display, orders)
     study, resources = setup.study, setup.resources
     next_command = orders.next_command or f"--study {config.study.name}"
-    if setup.finished >= orders.n_trials:
+    trainings = trainings_of(config, orders.n_trials)
+    if not setup.left:
+        asked = (f"{orders.n_trials:g}" if trainings is None
+                 else f"{orders.n_trials:g} full trainings' worth")
         display.message(f"study '{config.study.name}' already has {setup.finished} finished "
-                         f"trials (asked for {orders.n_trials:g}); nothing to do")
+                         f"trials (asked for {asked}); nothing to do")
         display.best(study)
         display.message(f"next: hpo final {next_command}")
         return
@@ -130,14 +144,17 @@ def work(site: Prepared, orders: Orders) -> None:
         result = run_worker(study, site.storage, run_trial, display,
                             Limits(orders.n_trials, orders.timeout,
                                    config.study.max_consecutive_failures,
-                                   promotion=promotion))
+                                   promotion=promotion, trainings=trainings))
     display.best(study)
     display.message(console.baseline_line(objective, baseline))
     below = console.below_baseline_warning(study, objective, baseline)
     if below:
         display.warning(below)
+    spent = budget.Trainings(orders.n_trials, config.max_steps()).spent(
+        budget.trained_of(study.get_trials(deepcopy=False)))
     for line in console.closing_lines(study, site.url, (result.ran, result.finished),
-                                     orders.n_trials, resources.keeper, next_command):
+                                     console.Spent(orders.n_trials, spent, trainings is not None),
+                                     resources.keeper, next_command):
         display.message(line)
 
 
@@ -181,6 +198,51 @@ class Limits:
     poll_seconds: float = POLL_SECONDS
     # A study that pauses trials (`study.pruner.pause`): how the loop resumes them.
     promotion: pausing.Promotion | None = None
+    # A budget of full trainings (`study.budget: trainings`), else `n_trials` counts trials.
+    trainings: budget.Trainings | None = None
+
+
+def trainings_of(config: StudyConfig, n_trials: float) -> budget.Trainings | None:
+    """What `--n-trials N` counts under `study.budget`: full trainings, or trials (None)."""
+    if config.study.budget != "trainings" or math.isinf(n_trials):
+        return None
+    return budget.Trainings(n_trials, config.max_steps())
+
+
+@dataclass(frozen=True)
+class Standing:
+    """The study as the lock holder counts it: its trials by state and, under a budget of
+    trainings, the steps left to start or resume (`room`) and the trainings trained."""
+
+    counts: budget.Counts
+    room: float = math.inf
+    spent: float | None = None
+
+    def done(self, limits: Limits) -> bool:
+        """Whether the budget is spent: `n_trials` finished, or, counted in trainings,
+        nothing runs and no whole training fits."""
+        if limits.trainings is None:
+            return self.counts.finished >= limits.n_trials
+        return self.counts.running == 0 and self.room < limits.trainings.steps
+
+    def tally(self, n_trials: float) -> str:
+        if self.spent is None:
+            return f"{self.counts.finished}/{n_trials:g} finished"
+        return (f"{self.counts.finished} finished, {self.spent:.1f}/{n_trials:g} trainings "
+                f"trained")
+
+    def may_start(self, limits: Limits) -> bool:
+        if limits.trainings is None:
+            return budget.may_claim(self.counts, limits.n_trials)
+        return self.room >= limits.trainings.steps
+
+
+def standing(connection: sqlalchemy.Connection, study_id: int, limits: Limits) -> Standing:
+    counts = budget.count_in_database(connection, study_id)
+    if limits.trainings is None:
+        return Standing(counts)
+    trained = budget.trained_in_database(connection, study_id)
+    return Standing(counts, limits.trainings.room(trained), limits.trainings.spent(trained))
 
 
 @dataclass(frozen=True)
@@ -195,14 +257,19 @@ class Pace:
     worker's included, and from it the time left to the budget."""
 
     since: float  # time.monotonic() at the first count
-    first: int  # finished trials then
 
-    def progress(self, finished: int, n_trials: float) -> str:
+    first: float  # finished trials then (trainings trained, where the budget counts those)
+
+    def progress(self, finished: int, n_trials: float, spent: float | None = None) -> str:
         if math.isinf(n_trials):
             return f"  {finished} trials finished"
-        text = f"  {finished}/{n_trials:g} trials finished"
-        done = finished - self.first
-        left = n_trials - finished
+        if spent is None:
+            text, at = f"  {finished}/{n_trials:g} trials finished", float(finished)
+        else:
+            text, at = (f"  {finished} trials finished, {spent:.1f}/{n_trials:g} trainings "
+                        f"trained", spent)
+        done = at - self.first
+        left = n_trials - at
         if done <= 0 or left <= 0:
             return text
         return f"{text}, about {duration(left * (time.monotonic() - self.since) / done)} left"
@@ -258,7 +325,7 @@ def _settle_pause(study: optuna.Study, storage: ResilientRDBStorage,
 
 
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
-                  resumed: str | None, n_trials: float, display: LoopDisplay) -> bool:
+                  resumed: str | None, limits: Limits, display: LoopDisplay) -> bool:
     """After a claim made while the study lock was lost, another worker may have claimed
     the same slot: recount under the lock and give the trial back if the budget overshoots.
     A paused trial resumed then (its claim `resumed`) stands if no other worker took it."""
@@ -267,8 +334,9 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optu
             return pausing.holds(storage, trial._trial_id, resumed)
     study_id = storage.get_study_id_from_name(study.study_name)
     with budget.study_lock(storage.engine, study.study_name) as connection:
-        counts = budget.count_in_database(connection, study_id)
-        if counts.started <= n_trials:
+        now = standing(connection, study_id, limits)
+        if (now.counts.started <= limits.n_trials if limits.trainings is None
+                else now.room >= 0):
             return True
         give_back(study, trial, GivenBack(LOST_LOCK_CLAIM))
     display.message(f"trial {trial.number} given back: the study lock was lost while it was "
@@ -276,19 +344,23 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optu
     return False
 
 
-def _claim(study: optuna.Study, storage: ResilientRDBStorage, counts: budget.Counts,
+def _claim(study: optuna.Study, storage: ResilientRDBStorage, now: Standing,
            limits: Limits, display: LoopDisplay
            ) -> tuple[optuna.Trial | None, str | None, bool]:
     """Under the study lock: the trial this worker runs next, the claim it resumes it with
     if it is a paused one, and whether it ended the last paused trials instead. A study that
     pauses trials resumes the one its rung now promotes (`pausing.to_resume`) before it
     samples a new one; once the budget is all started and nothing but paused trials runs,
-    nothing can promote them, and they end pruned."""
+    nothing can promote them, and they end pruned. Under a budget of trainings a paused
+    trial resumes only if the steps it has left fit."""
     promotion = limits.promotion
-    may_claim = budget.may_claim(counts, limits.n_trials)
-    if promotion is not None and counts.running:
+    may_claim = now.may_start(limits)
+    if promotion is not None and now.counts.running:
         trials = study.get_trials(deepcopy=False)
         chosen = pausing.to_resume(trials, promotion.reduction_factor)
+        if (chosen is not None and limits.trainings is not None
+                and limits.trainings.steps - chosen.user_attrs[pausing.PAUSED_AT] > now.room):
+            chosen = None
         token = (pausing.claim(storage, chosen._trial_id, records.worker_name())
                  if chosen is not None else None)
         if chosen is not None and token is not None:
@@ -357,12 +429,13 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
             reap(study, storage, study_id)
             last_reap = time.monotonic()
         with budget.study_lock(storage.engine, study.study_name) as connection:
-            counts = budget.count_in_database(connection, study_id)
-            pace = pace or Pace(time.monotonic(), counts.finished)
+            now = standing(connection, study_id, limits)
+            counts = now.counts
+            pace = pace or Pace(time.monotonic(), now.spent or counts.finished)
             if told:
-                display.message(pace.progress(counts.finished, n_trials))
+                display.message(pace.progress(counts.finished, n_trials, now.spent))
                 told = False
-            if counts.finished >= n_trials:
+            if now.done(limits):
                 break
             if timeout is not None and time.monotonic() - started >= timeout:
                 display.message(f"timeout of {timeout:g}s reached")
@@ -370,19 +443,19 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
                     _end_paused(study, study.get_trials(deepcopy=False), limits.promotion,
                                 display, "the search stops here")
                 break
-            trial, resumed, ended = _claim(study, storage, counts, limits, display)
+            trial, resumed, ended = _claim(study, storage, now, limits, display)
             if trial is not None:
                 faults.kill_at("claim")
             lost = trial is not None and not budget.lock_held(connection)
         if (lost and trial is not None
-                and not _claim_stands(study, storage, trial, resumed, n_trials, display)):
+                and not _claim_stands(study, storage, trial, resumed, limits, display)):
             continue
         if trial is None and ended:
             continue  # the last paused trials ended: the study is finished
         if trial is None:
             if not waiting_said:
                 display.message(f"waiting for {counts.running} running trial(s) of other "
-                                 f"workers ({counts.finished}/{n_trials:g} finished)")
+                                 f"workers ({now.tally(n_trials)})")
                 waiting_said = True
             time.sleep(poll_seconds)
             continue

@@ -4,6 +4,12 @@ Optuna's MaxTrialsCallback checks the count after a trial, so N workers overshoo
 N - 1. Here a worker claims a trial inside a lock shared through the database (a PostgreSQL
 advisory lock; a file lock beside an SQLite file) and only when COMPLETE + PRUNED + RUNNING
 trials stay below the budget: a failed trial frees its slot, so another is made up.
+
+Under `study.budget: trainings` the budget of N counts the steps of N full trainings
+instead (`Trainings`): a trial starts, or a paused one resumes, only while every step it may
+still train fits beside those the study's trials trained (COMPLETE, PRUNED and RUNNING ones)
+and those its training trials may still train. So the study never trains more than N full
+trainings, and a pruned or paused trial gives back the steps it did not train.
 """
 
 from __future__ import annotations
@@ -23,10 +29,16 @@ import sqlalchemy
 # Optuna's RDB schema (private names, versioned by its migrations): counting and finding
 # trials in SQL keeps claiming and reaping cheap as a study grows. tests/search/test_budget.py fails
 # if these tables or columns change.
-from optuna.storages._rdb.models import TrialHeartbeatModel, TrialModel
-from optuna.trial import TrialState
+from optuna.storages._rdb.models import (
+    TrialHeartbeatModel,
+    TrialIntermediateValueModel,
+    TrialModel,
+    TrialUserAttributeModel,
+)
+from optuna.trial import FrozenTrial, TrialState
 
 from hpo import interrupts
+from hpo.search.pausing import PAUSED_AT
 from hpo.search.resilience import OUTAGE_SECONDS, retrying
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
@@ -119,6 +131,65 @@ def may_claim(counts: Counts, budget: float) -> bool:
     original freed, and enqueued sets beyond the budget stay waiting (a later, larger budget
     runs them) instead of each of several workers starting one past the budget."""
     return counts.started < budget
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One COMPLETE, PRUNED or RUNNING trial's training: the `steps` it reported (at least
+    one: a trial that trained nothing, an OOM say, still cost its set-up, and so failing
+    trials cannot start without end) and whether it still trains (RUNNING, not paused)."""
+
+    steps: int
+    training: bool
+
+
+@dataclass(frozen=True)
+class Trainings:
+    """A budget of `n` full trainings of `steps` steps each (`study.budget: trainings`)."""
+
+    n: float
+    steps: int
+
+    def room(self, trials: list[Trained]) -> float:
+        """The steps left once every trial's are counted: a training trial's whole training
+        (it may train them all), any other's trained steps."""
+        committed = sum(max(t.steps, self.steps) if t.training else t.steps for t in trials)
+        return self.n * self.steps - committed
+
+    def spent(self, trials: list[Trained]) -> float:
+        """How many full trainings the trials' trained steps come to."""
+        return sum(t.steps for t in trials) / self.steps
+
+
+def trained_in_database(connection: sqlalchemy.Connection, study_id: int) -> list[Trained]:
+    """Each COMPLETE, PRUNED or RUNNING trial's `Trained`, in one query: a paused trial is
+    RUNNING with `paused_at` set, and its steps are those before its checkpoint."""
+    trials = TrialModel.__table__
+    values = TrialIntermediateValueModel.__table__
+    attributes = TrialUserAttributeModel.__table__
+    last = (sqlalchemy.select(values.c.trial_id, sqlalchemy.func.max(values.c.step).label("step"))
+            .group_by(values.c.trial_id).subquery())
+    paused = sqlalchemy.select(attributes.c.trial_id).where(
+        attributes.c.key == PAUSED_AT, attributes.c.value_json != "null")
+    rows = connection.execute(
+        sqlalchemy.select(trials.c.state, last.c.step, trials.c.trial_id.in_(paused))
+        .outerjoin(last, last.c.trial_id == trials.c.trial_id)
+        .where(trials.c.study_id == study_id,
+               trials.c.state.in_(_COUNTED))
+    ).all()
+    return [Trained(max(int(step or 0), 1),
+                    str(getattr(state, "name", state)) == "RUNNING" and not is_paused)
+            for state, step, is_paused in rows]
+
+
+def trained_of(trials: list[FrozenTrial]) -> list[Trained]:
+    """`trained_in_database`'s answer from trials already loaded."""
+    return [Trained(max(max(t.intermediate_values, default=0), 1),
+                    t.state == TrialState.RUNNING and t.user_attrs.get(PAUSED_AT) is None)
+            for t in trials if t.state in _COUNTED]
+
+
+_COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
 
 
 @contextlib.contextmanager
