@@ -5,6 +5,8 @@ against three peers on the demo study, each run alone on the whole machine.
     python benchmarks/search_quality.py --seeds 3 4 --append         # more seeds, later
     python benchmarks/search_quality.py --variant "native=search_space.fp_precision=native" \
         --no-default --append
+    python benchmarks/search_quality.py --seeds 5 6 --peers expert --no-default \
+        --variant "pause=study.pruner.pause=true" --append    # a variant and the expert
     python benchmarks/search_quality.py --render benchmarks/results/search_quality.json
 
 The peers (benchmarks/peer_trainer.py, benchmarks/peer_ray.py), each given the study's data
@@ -200,8 +202,9 @@ def measure(args: argparse.Namespace) -> dict:
             and r.get("machine", results["machine"]) == record["machine"])] + [record]
         args.output.write_text(json.dumps(results, indent=1))
 
-    for seed in args.seeds if args.default else ():
-        for tool in args.peers:
+    peers = args.peers if args.peers is not None else list(PEERS) if args.default else []
+    for seed in args.seeds:
+        for tool in peers:
             if _done(results, tool, seed):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
@@ -212,6 +215,8 @@ def measure(args: argparse.Namespace) -> dict:
                 record = run.record("default", args.n_trials)
                 record["trial_budget_wall"] = run.wall
                 save(record)
+        if not args.default:
+            continue
         ours = _done(results, "hpo", seed)
         if ours is None or sum(ours["walls"]) < longest_peer(results, seed):
             save(run_hpo(seed, "default", [], args.n_trials, longest_peer(results, seed)))
@@ -508,10 +513,12 @@ def main() -> None:
     parser.add_argument("--n-trials", type=int, default=20)
     parser.add_argument("--variant", dest="variants", type=variant, action="append",
                         default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE...]")
-    parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
-                        help="the peers to run (none: hpo only)")
+    parser.add_argument("--peers", nargs="*", choices=PEERS, default=None,
+                        help="the peers to run (none: hpo only; default: every peer, none "
+                             "with --no-default)")
     parser.add_argument("--no-default", dest="default", action="store_false",
-                        help="run only the variants (with --append: add them to --output)")
+                        help="run hpo's variants, not its default (the --peers a seed lacks "
+                             "are still run; with --append: add them to --output)")
     parser.add_argument("--workers", type=int, default=1,
                         help="hpo's workers on this host (`hpo run --workers`), each on its "
                              "share of the cores; above 1 only with --no-default: the peers "
@@ -528,6 +535,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.workers < 1 or (args.workers > 1 and args.default):
         parser.error("--workers must be at least 1, and above 1 needs --no-default")
+    if args.workers > 1 and args.peers:
+        parser.error("--workers above 1 runs no peer: the peers run one trial at a time")
     results = (json.loads(args.render.read_text()) if args.render is not None
                else measure(args))
     print(render(results, args.plot))
