@@ -1106,6 +1106,20 @@ def horizons(setting: Setting, load: Callable[[], list[Ground]], seeds: range,
 _GROUNDS: dict[tuple, list[Ground]] = {}
 
 
+def cut(made: dict, epochs: int | None) -> dict:
+    """The demo's table with its curves cut to their first `epochs` epochs: a study of fewer
+    epochs than the recording trains (and is scored) that far."""
+    if epochs is None or epochs == made["epochs"]:
+        return made
+    if not 1 <= epochs < made["epochs"]:
+        raise SystemExit(f"--epochs {epochs}: the table's curves have {made['epochs']}")
+    columns = made["columns"]
+    at = {columns.index("f1"), columns.index("epoch_seconds")}
+    rows = [[value[:epochs] if k in at else value for k, value in enumerate(row)]
+            for row in made["rows"]]
+    return {**made, "epochs": epochs, "rows": rows}
+
+
 def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | None
             ) -> list[Ground]:
     """The tables of a replay, read once per process: the demo's (a .json file of
@@ -1119,10 +1133,10 @@ def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | N
                 table = tables.read(path)
                 found.append(Ground(table_study(table), table))
                 continue
-            made = json.loads(path.read_text())
+            made = cut(json.loads(path.read_text()), epochs or None)
             curves = Curves(made)
             study = study_files.load(study_files.study_path("demo"),
-                                     [f"training.epochs={epochs or made['epochs']}"])
+                                     [f"training.epochs={made['epochs']}"])
             facts = measured(json.loads(Path(real).read_text()), made["machine"])
             found.append(Ground(study, curves, even(facts, curves) if even_costs else facts))
         _GROUNDS[key] = found

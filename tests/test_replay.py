@@ -264,6 +264,18 @@ def test_a_paused_trial_that_frees_its_slot_lets_a_new_trial_start_past_the_budg
     assert [len(r.epochs) for r in freeing.runs] == [1, 4]
 
 
+def test_a_study_of_fewer_epochs_reads_its_curves_cut_to_them():
+    made = made_up_table()
+    cut = replay.Curves(replay.cut(made, 2))
+    whole = replay.Curves(made)
+    two = cut.lookup(MINILM, "none", 16, 2.15e-4, 0.0, world=0)
+    four = whole.lookup(MINILM, "none", 16, 2.15e-4, 0.0, world=0)
+    assert two.scores == four.scores[:2] and two.seconds == four.seconds[:2]
+    assert replay.cut(made, None) is made and replay.cut(made, 4) is made
+    with pytest.raises(SystemExit, match="--epochs 5: the table's curves have 4"):
+        replay.cut(made, 5)
+
+
 def test_a_budget_of_trainings_counts_epochs_and_gives_back_what_a_stop_did_not_train(curves):
     # --n-trials 2 under study.budget: trainings: 8 epochs. Trial 0 stops after 1, trial 1
     # after 2, so trial 2 fits (3 + 4 <= 8) and trains its 4; then 1 epoch is left, too few
