@@ -257,7 +257,6 @@ class Pace:
     worker's included, and from it the time left to the budget."""
 
     since: float  # time.monotonic() at the first count
-
     first: float  # finished trials then (trainings trained, where the budget counts those)
 
     def progress(self, finished: int, n_trials: float, spent: float | None = None) -> str:
@@ -431,7 +430,8 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
         with budget.study_lock(storage.engine, study.study_name) as connection:
             now = standing(connection, study_id, limits)
             counts = now.counts
-            pace = pace or Pace(time.monotonic(), now.spent or counts.finished)
+            pace = pace or Pace(time.monotonic(),
+                                counts.finished if now.spent is None else now.spent)
             if told:
                 display.message(pace.progress(counts.finished, n_trials, now.spent))
                 told = False
