@@ -8,6 +8,8 @@ real one takes GPU-days.
     python benchmarks/replay.py --table benchmarks/tables/lcbench/*.jsonl --mode compute \\
         --budget 20 --workers 1 --repetitions 102 --jobs 2 --output ...       # any tables
     python benchmarks/replay.py --render OUT.json ... --plot regret.png       # table and plot
+    python benchmarks/replay.py ... --first-seed 17 --repetitions 17 --horizons-from H.json \
+        --output chunk1.json; python benchmarks/replay.py --merge chunk*.json --output ...
     python benchmarks/replay.py --reality                                     # against real runs
 
 Two modes, never mixed. `--mode compute`: every policy runs as many trials as it can until a
@@ -1170,10 +1172,10 @@ def run(args: argparse.Namespace) -> dict:
     count = len(load())
     if args.mode == "compute":
         chosen = ((args.horizon,) * count if args.horizon
+                  else horizons_of(args.horizons_from, count) if args.horizons_from
                   else horizons(setting, load, seeds, args.jobs))
         setting = replace(setting, horizons=chosen)
     reps = repeat(functools.partial(one_world, setting, load), seeds, args.jobs)
-    null_names = {a for a, _ in NULLS}
     return {
         "mode": args.mode, "budget": args.budget, "workers": args.workers,
         "repetitions": args.repetitions, "first_seed": args.first_seed,
@@ -1188,6 +1190,14 @@ def run(args: argparse.Namespace) -> dict:
         "machine": cpu_model(), "versions": versions(),
         "tpe": "Optuna's" if args.exact_tpe else "Optuna's, log_ndtr vectorised (tpe_speed.py)",
         "measured": next((dataclasses.asdict(g.facts) for g in load() if g.demo), None),
+        **figures(reps, names),
+    }
+
+
+def figures(reps: list[dict], names: tuple[str, ...] | list[str]) -> dict:
+    """hpo against each peer and the null checks over the worlds `reps`, and the worlds."""
+    null_names = {a for a, _ in NULLS}
+    return {
         "versus": {peer: yardstick.compare(reps, "hpo", peer) for peer in names
                    if peer != "hpo" and peer not in null_names},
         "nulls": {f"{a} vs {b}": {**(f := yardstick.compare(reps, a, b)),
@@ -1195,6 +1205,38 @@ def run(args: argparse.Namespace) -> dict:
                   for a, b in NULLS if a in names and b in names},
         "repetitions_data": reps,
     }
+
+
+def horizons_of(path: Path, count: int) -> tuple[float, ...]:
+    """The per-table horizons of an earlier output, so that chunks of one setting's worlds
+    run to the same horizons (each chunk's own median would differ)."""
+    found = json.loads(path.read_text()).get("horizons") or []
+    if len(found) != count or any(h is None for h in found):
+        raise SystemExit(f"{path}: no horizon for each of the {count} tables")
+    return tuple(found)
+
+
+# What must agree between outputs merged into one.
+SAME = ("mode", "budget", "workers", "horizons", "hpo_sets", "even_costs", "policies",
+        "tables", "tpe")
+
+
+def merge(results: list[dict]) -> dict:
+    """One output from chunks of one setting's worlds (`--first-seed`, `--horizons-from`):
+    the worlds together in seed order, the figures computed over all of them."""
+    first = results[0]
+    for other in results[1:]:
+        differs = [key for key in SAME if other.get(key) != first.get(key)]
+        if differs:
+            raise SystemExit(f"cannot merge: the outputs differ in {differs[0]}")
+    reps = sorted((w for r in results for w in r["repetitions_data"]),
+                  key=lambda w: w["world"]["seed"])
+    seeds = [w["world"]["seed"] for w in reps]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit("cannot merge: a world is in two outputs")
+    return {**first, "repetitions": len(reps), "first_seed": seeds[0],
+            "machines": sorted({r["machine"] for r in results}),
+            **figures(reps, first["policies"])}
 
 
 def where(result: dict) -> str:
@@ -1313,6 +1355,9 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--budget", type=int, default=20,
                        help="trials per search (compute mode: the novice's, for the horizon)")
     found.add_argument("--horizon", type=float, help="compute mode's horizon in seconds")
+    found.add_argument("--horizons-from", type=Path, metavar="OUTPUT.json",
+                       help="compute mode: the per-table horizons of an earlier output (one "
+                       "setting's worlds run in chunks)")
     found.add_argument("--workers", type=int, default=1)
     found.add_argument("--repetitions", type=int, default=100, help="worlds")
     found.add_argument("--first-seed", type=int, default=0,
@@ -1335,6 +1380,9 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--real", type=Path, default=REAL,
                        help="real runs: the peers' start-up and slowdowns on the demo")
     found.add_argument("--output", type=Path)
+    found.add_argument("--merge", type=Path, nargs="+", metavar="OUTPUT.json",
+                       help="write to --output these outputs' worlds as one (chunks of one "
+                       "setting, disjoint seeds)")
     found.add_argument("--render", type=Path, nargs="+",
                        help="write the table of these outputs (and --plot) instead")
     found.add_argument("--plot", type=Path)
@@ -1350,6 +1398,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.render:
         print(render(args.render, args.plot))
+        return
+    if args.merge:
+        if args.output is None:
+            parser().error("--merge needs --output")
+        merged = merge([json.loads(p.read_text()) for p in args.merge])
+        args.output.write_text(json.dumps(merged, separators=(",", ":")))
+        print(f"{merged['repetitions']} worlds from {len(args.merge)} outputs in {args.output}")
         return
     if min(args.budget, args.workers, args.repetitions, args.jobs) < 1:
         parser().error("--budget, --workers, --repetitions and --jobs must be at least 1")

@@ -411,6 +411,30 @@ def main_run(tmp_path, *args: str) -> dict:
     return json.loads(output.read_text())
 
 
+def test_chunks_of_worlds_at_the_whole_runs_horizons_merge_into_the_whole_run(tmp_path):
+    table = str(REPO / "benchmarks" / "tables" / "demo.jsonl")
+    common = ["--mode", "compute", "--budget", "4", "--table", table, "--policies", "novice",
+              "random", "expert", "expert-copy"]
+    whole = main_run(tmp_path, *common, "--repetitions", "4")
+    (tmp_path / "whole.json").write_text(json.dumps(whole))
+    chunks = []
+    for first in ("2", "0"):
+        chunk = main_run(tmp_path, *common, "--repetitions", "2", "--first-seed", first,
+                         "--horizons-from", str(tmp_path / "whole.json"))
+        chunks.append(tmp_path / f"chunk{first}.json")
+        chunks[-1].write_text(json.dumps(chunk))
+    replay.main(["--merge", *map(str, chunks), "--output", str(tmp_path / "merged.json")])
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["repetitions_data"] == whole["repetitions_data"]
+    assert (merged["versus"], merged["nulls"]) == (whole["versus"], whole["nulls"])
+    assert (merged["repetitions"], merged["first_seed"]) == (4, 0)
+    with pytest.raises(SystemExit, match="a world is in two outputs"):
+        replay.merge([whole, json.loads(chunks[0].read_text())])
+    other = main_run(tmp_path, *common, "--repetitions", "1", "--first-seed", "9")
+    with pytest.raises(SystemExit, match="differ in horizons"):
+        replay.merge([whole, other])
+
+
 def test_every_policy_runs_and_the_output_holds_the_yardsticks_figures(tmp_path):
     table = tmp_path / "table.json"
     made = made_up_table()
