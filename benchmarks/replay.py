@@ -697,6 +697,11 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         heapq.heappush(events, (now + (seconds + curve.seconds[0]) * factor, counter, worker, 1))
         counter += 1
 
+    def wake(now: float) -> None:
+        for waiting in sorted(idle):
+            idle.discard(waiting)
+            start(waiting, now + policy.gap)
+
     for worker in range(workers):
         start(worker, policy.startup)
     while events:
@@ -706,9 +711,7 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         run, curve, began, factor = running[number]
         length = len(curve.scores)
         decision = run.report(epoch, curve.scores[epoch - 1])
-        for waiting in sorted(idle):  # a value at a rung may have promoted a paused trial
-            idle.discard(waiting)
-            start(waiting, now + policy.gap)
+        wake(now)  # a value at a rung may have promoted a paused trial
         if epoch < length and decision == PAUSE:
             record = Finished(began, now, run.config, curve.scores[:epoch], "PAUSED")
             finished.append(record)
@@ -726,9 +729,7 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
                                  "PRUNED" if pruned else "COMPLETE"))
         start(worker, now + policy.gap)
         if unit is not None:  # what it did not train may let a waiting worker start
-            for waiting in sorted(idle):
-                idle.discard(waiting)
-                start(waiting, now + policy.gap)
+            wake(now)
     return finished
 
 

@@ -95,8 +95,10 @@ def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> W
     small = console.small_data_warning(site.splits)
     if small:
         display.warning(small)
-    left = budget_left(study, storage, Limits(orders.n_trials,
-                                              trainings=trainings_of(config, orders.n_trials)))
+    trainings = trainings_of(config, orders.n_trials)
+    # Trials counted, the count above answers; trainings need the lock holder's tally.
+    left = (finished < orders.n_trials if trainings is None
+            else budget_left(study, storage, Limits(orders.n_trials, trainings=trainings)))
     if left and not config.training.isolate_trials:
         began = time.perf_counter()
         sources = resources.preload()

@@ -167,15 +167,16 @@ def trained_in_database(connection: sqlalchemy.Connection, study_id: int) -> lis
     trials = TrialModel.__table__
     values = TrialIntermediateValueModel.__table__
     attributes = TrialUserAttributeModel.__table__
-    last = (sqlalchemy.select(values.c.trial_id, sqlalchemy.func.max(values.c.step).label("step"))
-            .group_by(values.c.trial_id).subquery())
-    paused = sqlalchemy.select(attributes.c.trial_id).where(
-        attributes.c.key == PAUSED_AT, attributes.c.value_json != "null")
+    # Only this study's trials are joined to their values, then grouped: the claim runs this
+    # under the study lock, on a database that may hold many studies.
+    paused = sqlalchemy.exists().where(
+        attributes.c.trial_id == trials.c.trial_id, attributes.c.key == PAUSED_AT,
+        attributes.c.value_json != "null")
     rows = connection.execute(
-        sqlalchemy.select(trials.c.state, last.c.step, trials.c.trial_id.in_(paused))
-        .outerjoin(last, last.c.trial_id == trials.c.trial_id)
-        .where(trials.c.study_id == study_id,
-               trials.c.state.in_(_COUNTED))
+        sqlalchemy.select(trials.c.state, sqlalchemy.func.max(values.c.step), paused)
+        .select_from(trials.outerjoin(values, values.c.trial_id == trials.c.trial_id))
+        .where(trials.c.study_id == study_id, trials.c.state.in_(_COUNTED))
+        .group_by(trials.c.trial_id, trials.c.state)
     ).all()
     return [Trained(max(int(step or 0), 1),
                     str(getattr(state, "name", state)) == "RUNNING" and not is_paused)
