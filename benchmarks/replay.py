@@ -74,6 +74,7 @@ from tables import Costs, Curve, Point
 
 from hpo import config as config_module
 from hpo import study_files
+from hpo.search import artifacts
 from hpo.search.study import make_pruner, make_sampler
 from hpo.space import PinnedSpace, by_cost, declare, suggest
 
@@ -489,6 +490,10 @@ class PromotingRun:
         return self.policy.reached(self, epoch)
 
     def finish(self, scores: list[float], stopped: bool) -> None:
+        if stopped:  # past `max_paused` (a policy that pauses stops nothing else)
+            if not self.policy.tell_paused:  # else told so as it paused
+                self.policy.base.study.tell(self.trial, state=TrialState.PRUNED)
+            return
         self.policy.base.study.tell(self.trial, max(scores))
 
 
@@ -515,8 +520,12 @@ class PromotionPolicy:
     # Trials mode: a paused trial gives its slot of the trial budget back (a resume takes
     # one again), so N trials are trained to their end or stopped, besides those paused.
     frees_slot: bool = False
+    # hpo's `study.pruner.max_paused`: past it, the paused run least likely to be promoted
+    # ends pruned (`hpo.search.pausing.over_limit`), listed in `dropped` for the simulation.
+    max_paused: int | None = None
     values: dict[int, list[tuple[float, PromotingRun]]] = field(default_factory=dict)
     waiting: dict[int, list[PromotingRun]] = field(default_factory=dict)
+    dropped: list[PromotingRun] = field(default_factory=list)
 
     @property
     def startup(self) -> float:
@@ -544,7 +553,29 @@ class PromotionPolicy:
         self.waiting.setdefault(run.rung - 1, []).append(run)
         if self.tell_paused:
             self.base.study.tell(run.trial, state=TrialState.PRUNED)
+        self.bound()
+        if run in self.dropped:
+            self.dropped.remove(run)
+            return True  # past the bound itself: stopped here
         return PAUSE
+
+    def bound(self) -> None:
+        """Past `max_paused`, drop the paused runs least likely to be promoted: by the share
+        of their rung's values above their own, of equals the lower rung, then the later."""
+        paused = [(rung, run) for rung, runs in self.waiting.items() for run in runs]
+        excess = len(paused) - (self.max_paused or len(paused))
+        if excess <= 0:
+            return
+
+        def behind(entry: tuple[int, PromotingRun]) -> tuple[float, int, int]:
+            rung, run = entry
+            values = [v for v, _ in self.values[rung]]
+            mine = next(v for v, r in self.values[rung] if r is run)
+            return (sum(v > mine for v in values) / len(values), -rung, run.trial.number)
+
+        for rung, run in sorted(paused, key=behind, reverse=True)[:excess]:
+            self.waiting[rung].remove(run)
+            self.dropped.append(run)
 
     def resume(self, run: PromotingRun) -> PromotingRun:
         if self.tell_paused:
@@ -585,7 +616,8 @@ def promoting(base: OptunaPolicy, study: config_module.StudyConfig, name: str,
     first = pruner.first_rung(epochs)
     steps = tuple(itertools.takewhile(
         lambda s: s < epochs, (first * pruner.reduction_factor**k for k in itertools.count())))
-    return PromotionPolicy(name, base, steps, pruner.reduction_factor, eager, tell_paused)
+    return PromotionPolicy(name, base, steps, pruner.reduction_factor, eager, tell_paused,
+                           max_paused=pruner.max_paused)
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -697,6 +729,16 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         heapq.heappush(events, (now + (seconds + curve.seconds[0]) * factor, counter, worker, 1))
         counter += 1
 
+    def drop_over_bound() -> None:
+        """The paused runs the policy ended past its bound (`max_paused`): stopped where
+        they paused, their epochs spent."""
+        for run in getattr(policy, "dropped", ()):
+            number, _, record = paused.pop(id(run))
+            del running[number]
+            run.finish(list(record.scores), True)
+            finished[finished.index(record)] = dataclasses.replace(record, state="PRUNED")
+        getattr(policy, "dropped", []).clear()
+
     def wake(now: float) -> None:
         for waiting in sorted(idle):
             idle.discard(waiting)
@@ -716,6 +758,7 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
             record = Finished(began, now, run.config, curve.scores[:epoch], "PAUSED")
             finished.append(record)
             paused[id(run)] = (number, epoch, record)
+            drop_over_bound()
             start(worker, now + policy.gap)
             continue
         if epoch < length and not decision:
@@ -879,6 +922,8 @@ def hpo_search(config: config_module.StudyConfig, ground: Ground, seed: int, nam
     """hpo's search as its study file sets it: `hpo_policy`, in promotion form where
     `study.pruner.pause` pauses what its rungs would stop (`PromotionPolicy`)."""
     policy = hpo_policy(config, ground, seed, name)
+    # `auto` as on hpo's default storage (a SQLite file, its artifact store beside it).
+    config, _ = artifacts.with_pause_decided(config, "sqlite:///hpo.db")
     return promoting(policy, config, name, eager=True) if config.study.pruner.pause else policy
 
 

@@ -83,6 +83,43 @@ def test_pausing_trials_needs_successive_halving_and_one_model_per_trial(tmp_pat
     assert load(path, pausing).study.pruner.pause
 
 
+def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_path):
+    from hpo.search.artifacts import with_pause_decided
+
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    auto = ["training.epochs=4", "study.pruner.name=successive_halving",
+            "study.pruner.pause=auto"]
+    sqlite = f"sqlite:///{tmp_path / 'hpo.db'}"
+    decided, said = with_pause_decided(load(path, auto), sqlite)
+    assert decided.study.pruner.pause is True
+    assert said == (f"  study.pruner.pause auto: a trial its rung would stop pauses, its "
+                    f"checkpoint in {tmp_path / 'hpo-artifacts'}")
+    decided, said = with_pause_decided(load(path, auto), "postgresql://h/db")
+    assert decided.study.pruner.pause is False and said.endswith(
+        "stopped: set study.artifacts (a directory every worker shares, or s3://BUCKET) to "
+        "pause them")
+    stored = with_pause_decided(load(path, [*auto, "study.artifacts=/shared"]),
+                                "postgresql://h/db")[0]
+    assert stored.study.pruner.pause is True and stored.study.artifacts == "/shared"
+    # Where a trial cannot pause, auto is no error: it stops, and says why (or, under a
+    # pruner that never pauses, nothing).
+    folds, said = with_pause_decided(load(path, [*auto, "data.cv_folds=3"]), sqlite)
+    assert folds.study.pruner.pause is False and "cannot pause (data.cv_folds)" in said
+    median = load(path, ["training.epochs=4", "study.pruner.pause=auto"])
+    assert with_pause_decided(median, sqlite)[0].study.pruner.pause is False
+    assert with_pause_decided(median, sqlite)[1] is None
+    # true and false stay as the file says them.
+    assert with_pause_decided(load(path, auto[:2]), sqlite) == (load(path, auto[:2]), None)
+
+
+def test_max_paused_is_a_positive_count_or_null(tmp_path):
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    assert load(path, ["study.pruner.max_paused=3"]).study.pruner.max_paused == 3
+    assert load(path).study.pruner.max_paused is None
+    with pytest.raises(ConfigError, match="study.pruner.max_paused"):
+        load(path, ["study.pruner.max_paused=0"])
+
+
 def test_pausing_trials_needs_an_artifact_store_for_their_checkpoints(tmp_path):
     from hpo.search.artifacts import checkpoint_store
 

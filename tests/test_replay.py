@@ -588,6 +588,35 @@ def test_hpos_pause_form_pauses_only_what_stopping_would_stop_and_resumes_it_lat
     assert policy.ask().trial.number == 6
 
 
+def test_past_max_paused_the_paused_trial_ranked_lowest_in_its_rung_is_stopped():
+    ground = shipped()
+    sets = ["study.pruner.pause=true", "study.pruner.max_paused=2"]
+    (policy, _), = replay.policies(["capped"], ground, 0, {"capped": sets})
+    assert policy.max_paused == 2
+    runs = [policy.ask() for _ in range(5)]
+    verdicts = [run.report(1, score) for run, score in
+                zip(runs, (0.5, 0.3, 0.2, 0.1, 0.25), strict=True)]
+    # Two pause; the third to pause (0.1) ranks lowest of the three paused: stopped itself.
+    # Then 0.25 pauses, and 0.2, below a half of its rung, is the one dropped.
+    assert verdicts == [False, replay.PAUSE, replay.PAUSE, True, replay.PAUSE]
+    assert policy.dropped == [runs[2]] and policy.waiting[0] == [runs[1], runs[4]]
+    runs[3].finish([0.1], True)
+    assert policy.base.study.trials[3].state == optuna.trial.TrialState.PRUNED
+
+
+def test_a_simulation_under_max_paused_never_holds_more_paused_trials():
+    ground = shipped()
+    sets = ["study.pruner.pause=true", "study.pruner.max_paused=1"]
+    (policy, _), = replay.policies(["capped"], ground, 1, {"capped": sets})
+    trials = replay.simulate(policy, ground.table, 1, 2, budget=30)
+    states = [t.state for t in trials]
+    assert states.count("PAUSED") <= 1 and "PRUNED" in states
+    assert len(trials) == 30 and not policy.dropped
+    assert all(len(t.scores) <= ground.table.epochs for t in trials)
+    told = {t.state for t in policy.base.study.trials}
+    assert optuna.trial.TrialState.PRUNED in told
+
+
 def test_a_pause_told_as_pruned_resumes_as_a_new_trial_of_the_same_parameters():
     ground = shipped()
     (policy, _), = replay.policies(["hpo-pause-pruned"], ground, 0)

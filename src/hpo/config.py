@@ -273,11 +273,19 @@ class PrunerConfig(_Section):
     that reported there (at least 5), is at least this. Until then trials pass it unchecked.
     null: no such check (Optuna's rule)."""
 
-    pause: bool = False
+    pause: bool | Literal["auto"] = False
     """successive_halving: a trial its rung would stop pauses instead (its checkpoint kept in
     the artifact store) and resumes, on any worker, once enough later trials rank below it
     (asynchronous successive halving's promotion form); what is still paused when the budget
-    is spent ends pruned. false: stopped for good (Optuna's rule). Not under cv_folds."""
+    is spent ends pruned. false: stopped for good (Optuna's rule). Not under cv_folds.
+    `auto`: pause where the study has an artifact store (`study.artifacts`, or the directory
+    beside a SQLite file) and is not cross-validated, else stop (the worker says which)."""
+    max_paused: Annotated[int, Field(ge=1)] | None = None
+    """pause: at most this many trials paused at once, each holding a checkpoint in the store
+    (the model's weights and AdamW's state: about 3 x 4 bytes a parameter). Past it, the
+    paused trial least likely to be promoted (the largest share of its rung above its value;
+    of equals the lower rung, then the later trial) ends pruned and its checkpoint goes.
+    null: no limit."""
 
     def on_evidence(self) -> bool:
         """Whether a rung waits for evidence (hpo's `EvidenceHalvingPruner`, not Optuna's)."""
@@ -473,9 +481,9 @@ class StudyConfig(_Section):
     @model_validator(mode="after")
     def _pause(self) -> StudyConfig:
         pruner = self.study.pruner
-        if pruner.pause and pruner.name != "successive_halving":
+        if pruner.pause is True and pruner.name != "successive_halving":
             raise ValueError(f"study.pruner.pause needs successive_halving, not {pruner.name}")
-        if pruner.pause and self.data.cv_folds:
+        if pruner.pause is True and self.data.cv_folds:
             raise ValueError("study.pruner.pause cannot pause a cross-validated trial "
                              "(data.cv_folds): set pause false")
         return self

@@ -59,6 +59,23 @@ def test_the_highest_rung_resumes_first_then_the_best_then_the_earliest():
     assert pausing.to_resume(trials, 2).number == 3
 
 
+def test_past_max_paused_the_paused_trials_least_likely_to_be_promoted_end():
+    trials = [made(0, [0.9, 0.8], state=TrialState.COMPLETE), made(1, [0.7], paused=True),
+              made(2, [0.3], paused=True), made(3, [0.5, 0.2], paused=True),
+              made(4, [0.6], paused=True)]
+    assert pausing.over_limit(trials, 4) == []
+    # Rung 0 holds 0.9, 0.7, 0.3, 0.5, 0.6: 0.3 has 4 of 5 above it. Rung 1 holds 0.8, 0.2:
+    # 0.2 has 1 of 2 above it, as does 0.5 at rung 0 (2 of 5 is less).
+    assert [t.number for t in pausing.over_limit(trials, 3)] == [2]
+    assert [t.number for t in pausing.over_limit(trials, 1)] == [2, 3, 4]
+    # Of equal shares (a half: 0.4 at rung 1, 0.3 at rung 0), the lower rung goes first,
+    # then the later trial.
+    equal = [made(0, [0.9, 0.8], state=TrialState.COMPLETE), made(1, [0.5, 0.4], paused=True),
+             made(3, [0.3], paused=True), made(4, [0.3], paused=True)]
+    assert [t.number for t in pausing.over_limit(equal, 1)] == [4, 3]
+    assert [t.number for t in pausing.over_limit(equal, 0)] == [4, 3, 1]
+
+
 @pytest.fixture
 def beating(any_storage):
     storage = open_storage(any_storage, heartbeat_interval=1, grace_period=2)
@@ -151,6 +168,29 @@ def test_the_last_paused_trials_end_pruned_and_their_checkpoints_go(beating, tmp
     assert storage.get_trial(running._trial_id).state == TrialState.RUNNING  # not paused
     with pytest.raises(optuna.artifacts.exceptions.ArtifactNotFound):
         store.open_reader(key)
+
+
+def test_trials_past_max_paused_end_pruned_and_their_checkpoints_go(beating, tmp_path):
+    study, storage = beating
+    store = optuna.artifacts.FileSystemArtifactStore(str(tmp_path))
+    trials = [paused_trial(study, storage) for _ in range(2)]
+    keys = []
+    for trial, value in zip(trials, (0.7, 0.4), strict=True):
+        storage.set_trial_system_attr(trial._trial_id, rung_key(0), value)
+        keys.append(pausing.save(store, trial.number, {"weights": [value]}))
+        storage.set_trial_user_attr(trial._trial_id, pausing.CHECKPOINT,
+                                    {"id": keys[-1], "step": 1})
+    assert pausing.end_over_limit(study, store, 2) == []
+    assert pausing.end_over_limit(study, store, 1) == [trials[1].number]
+    ended = storage.get_trial(trials[1]._trial_id)
+    assert ended.state == TrialState.PRUNED
+    assert ended.user_attrs["prune_reason"] == pausing.OVER_LIMIT
+    assert get_note(trials[1]).startswith("**Pruned, not promoted**: paused at step 1, it "
+                                          "ranked lowest of the paused trials")
+    assert pausing.is_paused(storage.get_trial(trials[0]._trial_id))
+    with pytest.raises(optuna.artifacts.exceptions.ArtifactNotFound):
+        store.open_reader(keys[1])
+    assert store.open_reader(keys[0])
 
 
 def test_a_checkpoint_round_trips_through_the_store(tmp_path):

@@ -58,6 +58,7 @@ class Prepared:
     device: Device
     url: str
     storage: ResilientRDBStorage
+    notes: tuple[str, ...] = ()  # what the file's `auto` settings decided on this storage
 
 
 def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) -> Prepared:
@@ -95,7 +96,10 @@ def prepare(ref: StudyRef, *, runs_trials: bool = True, existing: bool = False) 
         url, heartbeat_interval=config.study.heartbeat_interval,
         grace_period=config.study.grace_period, max_retry=config.study.max_retry,
     )
-    return Prepared(config, splits, device, url, opened)
+    from hpo.search.artifacts import with_pause_decided
+
+    config, paused = with_pause_decided(config, url)
+    return Prepared(config, splits, device, url, opened, (paused,) if paused else ())
 
 
 def _file_setting(ref: StudyRef, read: Any) -> Any:

@@ -83,8 +83,9 @@ def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> W
     if heartbeat_note:
         display.message(heartbeat_note)
     pruning_note = config.pruning_note()
-    if pruning_note:
-        display.message(pruning_note)
+    for note in (pruning_note, *site.notes):
+        if note:
+            display.message(note)
     keeper = (artifacts.keeper_for(config, site.url)
               if config.study.keep_best and not config.data.cv_folds else None)
     resources = load_resources(config, pinned, site.device, site.splits, keeper,
@@ -141,7 +142,7 @@ def work(site: Prepared, orders: Orders) -> None:
         run_trial = (isolation.in_child(site, pinned) if config.training.isolate_trials
                      else in_process(resources))
         promotion = (pausing.Promotion(config.study.pruner.reduction_factor,
-                                       resources.checkpoints)
+                                       resources.checkpoints, config.study.pruner.max_paused)
                      if config.study.pruner.pause else None)
         result = run_worker(study, site.storage, run_trial, display,
                             Limits(orders.n_trials, orders.timeout,
@@ -317,12 +318,19 @@ LOST_LOCK_CLAIM = ("claimed while the study lock was lost with its database conn
                    "given back to keep the budget exact")
 
 
-def _settle_pause(study: optuna.Study, storage: ResilientRDBStorage,
-                  trial: FrozenTrial) -> None:
+def _settle_pause(study: optuna.Study, storage: ResilientRDBStorage, trial: FrozenTrial,
+                  promotion: pausing.Promotion | None, display: LoopDisplay) -> None:
     """Mark a trial that paused paused, under the lock, once its heartbeat thread has stopped
-    (which would write the row `repause` removes again), and say so on the dashboard."""
+    (which would write the row `repause` removes again), and say so on the dashboard; past
+    `study.pruner.max_paused`, end the paused trials least likely to be promoted."""
     with budget.study_lock(storage.engine, study.study_name):
         pausing.put_back(study, storage, storage.engine, trial._trial_id)
+        if promotion is None or promotion.max_paused is None:
+            return
+        ended = pausing.end_over_limit(study, promotion.store, promotion.max_paused)
+    if ended:
+        display.message(f"more than study.pruner.max_paused ({promotion.max_paused}) trials "
+                         f"paused: trial(s) {_numbers(ended)}, ranked lowest, end pruned")
 
 
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
@@ -472,7 +480,7 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
             display.interrupted(_interrupted(study, storage, context.trial, stop))
             raise
         if outcome.paused_at is not None:
-            _settle_pause(study, storage, finished)
+            _settle_pause(study, storage, finished, limits.promotion, display)
         else:
             ran += 1
         display.trial_finished(finished, outcome)

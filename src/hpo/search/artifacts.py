@@ -112,6 +112,31 @@ def keeper_for(config: StudyConfig, storage_url: str) -> Keeper | None:
     return Keeper(open_store(where), where, config.study.keep_best)
 
 
+def with_pause_decided(config: StudyConfig, storage_url: str
+                       ) -> tuple[StudyConfig, str | None]:
+    """`study.pruner.pause: auto` decided for this storage, and the line that says how: pause
+    where a rung can (successive halving, not cross-validated) and the study has a store for
+    the checkpoints, else stop. Any other setting as it is (and no line)."""
+    pruner = config.study.pruner
+    if pruner.pause != "auto":
+        return config, None
+    where = location(config.study.artifacts, storage_url)
+    pauses = (pruner.name == "successive_halving" and not config.data.cv_folds
+              and where is not None)
+    study = config.study.model_copy(
+        update={"pruner": pruner.model_copy(update={"pause": pauses})})
+    decided = config.model_copy(update={"study": study})
+    if pruner.name != "successive_halving":
+        return decided, None  # its pruner never pauses: nothing to say
+    if pauses:
+        return decided, (f"  study.pruner.pause auto: a trial its rung would stop pauses, its "
+                         f"checkpoint in {where}")
+    why = ("a cross-validated trial cannot pause (data.cv_folds)" if config.data.cv_folds
+           else "set study.artifacts (a directory every worker shares, or s3://BUCKET) to "
+                "pause them")
+    return decided, f"  study.pruner.pause auto: trials its rungs would stop are stopped: {why}"
+
+
 def checkpoint_store(config: StudyConfig, storage_url: str) -> ArtifactStore | None:
     """Where a study that pauses trials (`study.pruner.pause`) keeps their checkpoints: its
     artifact store, which every worker that may resume them must reach. None where it does

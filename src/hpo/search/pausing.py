@@ -11,7 +11,9 @@ trial that now ranks in its rung's top 1/reduction_factor (later, poorer trials 
 the highest rung first and the best value first, and trains it on from its checkpoint: no
 epoch is trained twice. Once the budget is all started (or the last worker's `--timeout` is
 up) and nothing else runs, nothing can promote what is still paused: those trials end
-PRUNED, as stopping would have ended them.
+PRUNED, as stopping would have ended them. Where the study bounds the paused trials
+(`study.pruner.max_paused`, each holding a checkpoint), a pause past the bound ends the paused
+trial least likely to be promoted (`over_limit`) PRUNED, the pausing one included.
 
 A resumed trial whose run ends without a result (its worker killed, interrupted or reaped)
 goes back to paused at its checkpoint (`repause`) instead of failing: what it trained since
@@ -59,6 +61,7 @@ RESUMES = "resumes"  # user attribute: the steps it was resumed from, in order
 CLAIM = "resume_claim"  # user attribute: the claim of the run that resumed it last
 ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES, CLAIM)
 NOT_PROMOTED = "not_promoted"  # the prune reason of a trial still paused at the end
+OVER_LIMIT = "paused_limit"  # the prune reason of one ended by `study.pruner.max_paused`
 MAX_RUNGS = 64  # more rungs than any training has: reduction factor 2 over 2**64 steps
 
 
@@ -69,6 +72,7 @@ class Promotion:
 
     reduction_factor: int
     store: ArtifactStore | None
+    max_paused: int | None = None  # `study.pruner.max_paused`: None, no bound
 
 
 def is_paused(trial: FrozenTrial) -> bool:
@@ -107,6 +111,28 @@ def to_resume(trials: list[FrozenTrial], reduction_factor: int) -> FrozenTrial |
         if ready:
             return min(ready, key=lambda t: (-t.system_attrs[key], t.number))
     return None
+
+
+def over_limit(trials: list[FrozenTrial], max_paused: int) -> list[FrozenTrial]:
+    """The paused trials to end so that at most `max_paused` stay paused: those least likely
+    to be promoted, by the share of their rung's values above their own (the larger, the
+    more trials must still rank below them), of equals the lower rung (less trained), then
+    the later trial (as `to_resume` prefers the earlier)."""
+    paused = [t for t in trials if is_paused(t)]
+    excess = len(paused) - max_paused
+    if excess <= 0:
+        return []
+
+    def behind(trial: FrozenTrial) -> tuple[float, int, int]:
+        rung = rung_reached(trial)
+        key = rung_key(rung)
+        if rung < 0:
+            return (1.0, 1, trial.number)  # reached no rung: nothing ranks it yet
+        values = [t.system_attrs[key] for t in trials if key in t.system_attrs]
+        above = sum(v > trial.system_attrs[key] for v in values)
+        return (above / len(values), -rung, trial.number)
+
+    return sorted(paused, key=behind, reverse=True)[:excess]
 
 
 # ------------------------------------------------------------------- the trial's marks
@@ -199,12 +225,27 @@ def put_back(study: optuna.Study, storage: optuna.storages.BaseStorage,
 def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int]:
     """End every paused trial PRUNED (nothing can promote them any more) and remove their
     checkpoints; returns their numbers. Under the study lock."""
+    return end(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)),
+               NOT_PROMOTED)
+
+
+def end_over_limit(study: optuna.Study, store: ArtifactStore | None,
+                   max_paused: int) -> list[int]:
+    """End PRUNED the paused trials past `max_paused` (`over_limit`), their checkpoints
+    removed; returns their numbers. Under the study lock."""
+    return end(study, store, over_limit(study.get_trials(deepcopy=False), max_paused),
+               OVER_LIMIT)
+
+
+def end(study: optuna.Study, store: ArtifactStore | None, trials: list[FrozenTrial],
+        reason: str) -> list[int]:
+    """End PRUNED, for `reason`, those of `trials` still paused; returns their numbers."""
     ended = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    for trial in trials:
         if not is_paused(trial):
             continue
         try:
-            study._storage.set_trial_user_attr(trial._trial_id, "prune_reason", NOT_PROMOTED)
+            study._storage.set_trial_user_attr(trial._trial_id, "prune_reason", reason)
             study.tell(trial.number, state=TrialState.PRUNED)
         except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
             continue  # another worker ended it first
@@ -221,7 +262,11 @@ def note(study: optuna.Study, trial_id: int) -> None:
     attrs = trial.user_attrs
     pauses = ", ".join(str(step) for step in attrs.get(PAUSES, []))
     resumes = ", ".join(str(step) for step in attrs.get(RESUMES, [])) or "none yet"
-    if trial.state == TrialState.PRUNED:
+    if trial.state == TrialState.PRUNED and attrs.get("prune_reason") == OVER_LIMIT:
+        now = (f"**Pruned, not promoted**: paused at step {attrs[PAUSES][-1]}, it ranked "
+               f"lowest of the paused trials when more than study.pruner.max_paused were "
+               f"paused.")
+    elif trial.state == TrialState.PRUNED:
         now = (f"**Pruned, not promoted**: paused at step {attrs[PAUSES][-1]}, and no rung "
                f"promoted it before the study's budget was spent.")
     elif is_paused(trial):
