@@ -753,14 +753,15 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         run, curve, began, factor = running[number]
         length = len(curve.scores)
         decision = run.report(epoch, curve.scores[epoch - 1])
-        wake(now)  # a value at a rung may have promoted a paused trial
         if epoch < length and decision == PAUSE:
             record = Finished(began, now, run.config, curve.scores[:epoch], "PAUSED")
             finished.append(record)
             paused[id(run)] = (number, epoch, record)
             drop_over_bound()
+            wake(now)  # once it is paused: a rung may promote it at once
             start(worker, now + policy.gap)
             continue
+        wake(now)  # a value at a rung may have promoted a paused trial
         if epoch < length and not decision:
             heapq.heappush(events, (now + curve.seconds[epoch] * factor, number, worker,
                                     epoch + 1))
