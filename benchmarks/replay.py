@@ -483,17 +483,17 @@ class PromotingRun:
     config: Any
     scores: list[float] = field(default_factory=list)
     rung: int = 0  # the next rung it pauses at
+    lost: bool = False  # paused, its checkpoint given up (`max_checkpoints`)
+    again: int = 0  # trained again from its start: the epochs it reported before
 
     def report(self, epoch: int, score: float) -> bool | str:
+        if epoch <= self.again:  # as hpo: reported, and ranked, the first time
+            return False
         self.scores.append(score)
         self.trial.report(max(self.scores), epoch)
         return self.policy.reached(self, epoch)
 
     def finish(self, scores: list[float], stopped: bool) -> None:
-        if stopped:  # past `max_paused` (a policy that pauses stops nothing else)
-            if not self.policy.tell_paused:  # else told so as it paused
-                self.policy.base.study.tell(self.trial, state=TrialState.PRUNED)
-            return
         self.policy.base.study.tell(self.trial, max(scores))
 
 
@@ -520,12 +520,12 @@ class PromotionPolicy:
     # Trials mode: a paused trial gives its slot of the trial budget back (a resume takes
     # one again), so N trials are trained to their end or stopped, besides those paused.
     frees_slot: bool = False
-    # hpo's `study.pruner.max_paused`: past it, the paused run least likely to be promoted
-    # ends pruned (`hpo.search.pausing.over_limit`), listed in `dropped` for the simulation.
-    max_paused: int | None = None
+    # hpo's `study.pruner.max_checkpoints`: past it, the paused run least likely to be
+    # promoted gives its checkpoint up (`hpo.search.pausing.over_limit`) and, promoted,
+    # trains again from its start (the simulation pays those epochs again).
+    max_checkpoints: int | None = None
     values: dict[int, list[tuple[float, PromotingRun]]] = field(default_factory=dict)
     waiting: dict[int, list[PromotingRun]] = field(default_factory=dict)
-    dropped: list[PromotingRun] = field(default_factory=list)
 
     @property
     def startup(self) -> float:
@@ -554,16 +554,17 @@ class PromotionPolicy:
         if self.tell_paused:
             self.base.study.tell(run.trial, state=TrialState.PRUNED)
         self.bound()
-        if run in self.dropped:
-            self.dropped.remove(run)
-            return True  # past the bound itself: stopped here
         return PAUSE
 
     def bound(self) -> None:
-        """Past `max_paused`, drop the paused runs least likely to be promoted: by the share
-        of their rung's values above their own, of equals the lower rung, then the later."""
-        paused = [(rung, run) for rung, runs in self.waiting.items() for run in runs]
-        excess = len(paused) - (self.max_paused or len(paused))
+        """Past `max_checkpoints`, the paused runs least likely to be promoted give their
+        checkpoints up: by the share of their rung's values above their own, of equals the
+        lower rung, then the later."""
+        if self.max_checkpoints is None:
+            return
+        paused = [(rung, run) for rung, runs in self.waiting.items() for run in runs
+                  if not run.lost]
+        excess = len(paused) - self.max_checkpoints
         if excess <= 0:
             return
 
@@ -573,11 +574,12 @@ class PromotionPolicy:
             mine = next(v for v, r in self.values[rung] if r is run)
             return (sum(v > mine for v in values) / len(values), -rung, run.trial.number)
 
-        for rung, run in sorted(paused, key=behind, reverse=True)[:excess]:
-            self.waiting[rung].remove(run)
-            self.dropped.append(run)
+        for _, run in sorted(paused, key=behind, reverse=True)[:excess]:
+            run.lost = True
 
     def resume(self, run: PromotingRun) -> PromotingRun:
+        if run.lost:  # the simulation trains it again from its start
+            run.again = self.steps[run.rung - 1]
         if self.tell_paused:
             self.base.study.enqueue_trial(run.trial.params)
             run.trial = self.base.study.ask()
@@ -617,7 +619,7 @@ def promoting(base: OptunaPolicy, study: config_module.StudyConfig, name: str,
     steps = tuple(itertools.takewhile(
         lambda s: s < epochs, (first * pruner.reduction_factor**k for k in itertools.count())))
     return PromotionPolicy(name, base, steps, pruner.reduction_factor, eager, tell_paused,
-                           max_paused=pruner.max_paused)
+                           max_checkpoints=pruner.max_checkpoints)
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -654,6 +656,7 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
     searched: set[tuple[str, str, int]] = set()
     finished: list[Finished] = []
     idle: set[int] = set()  # workers waiting, past the budget, for a promotion
+    again = 0  # epochs trained a second time: promoted runs whose checkpoints were given up
     counter = 0
 
     def setup(worker: int, config: Any, curve: Curve) -> float:
@@ -673,14 +676,15 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         committed = sum(len(t.scores) for t in finished) + sum(
             len(curve.scores) for number, (_, curve, _, _) in running.items()
             if number not in held)
-        return budget * unit - committed
+        return budget * unit - committed - again
 
     def fits(run: Any) -> bool:
         number, epoch, _ = paused[id(run)]
-        return len(running[number][1].scores) - epoch <= room()
+        kept = 0 if getattr(run, "lost", False) else epoch  # without it: from the start
+        return len(running[number][1].scores) - kept <= room()
 
     def start(worker: int, now: float) -> None:
-        nonlocal counter
+        nonlocal counter, again
         if budget is None and now >= horizon:
             return
         if unit is not None:
@@ -713,6 +717,8 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
             number, epoch, record = paused.pop(id(run))
             finished.remove(record)
             _, curve, _, factor = running[number]
+            if getattr(run, "lost", False):  # its checkpoint given up: from its start again
+                run.lost, again, epoch = False, again + epoch, 0
             seconds = setup(worker, run.config, curve) + curve.seconds[epoch]
             heapq.heappush(events, (now + seconds * factor, number, worker, epoch + 1))
             return
@@ -728,16 +734,6 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
         running[counter] = (run, curve, now, factor)
         heapq.heappush(events, (now + (seconds + curve.seconds[0]) * factor, counter, worker, 1))
         counter += 1
-
-    def drop_over_bound() -> None:
-        """The paused runs the policy ended past its bound (`max_paused`): stopped where
-        they paused, their epochs spent."""
-        for run in getattr(policy, "dropped", ()):
-            number, _, record = paused.pop(id(run))
-            del running[number]
-            run.finish(list(record.scores), True)
-            finished[finished.index(record)] = dataclasses.replace(record, state="PRUNED")
-        getattr(policy, "dropped", []).clear()
 
     def wake(now: float) -> None:
         for waiting in sorted(idle):
@@ -757,7 +753,6 @@ def simulate(policy: Policy, table: Table, world: int, workers: int, *,
             record = Finished(began, now, run.config, curve.scores[:epoch], "PAUSED")
             finished.append(record)
             paused[id(run)] = (number, epoch, record)
-            drop_over_bound()
             wake(now)  # once it is paused: a rung may promote it at once
             start(worker, now + policy.gap)
             continue

@@ -112,12 +112,12 @@ def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_pa
     assert with_pause_decided(load(path, auto[:2]), sqlite) == (load(path, auto[:2]), None)
 
 
-def test_max_paused_is_a_positive_count_or_null(tmp_path):
+def test_max_checkpoints_is_a_count_or_null(tmp_path):
     path = write_study(tmp_path, study_dict(["m"], tmp_path))
-    assert load(path, ["study.pruner.max_paused=3"]).study.pruner.max_paused == 3
-    assert load(path).study.pruner.max_paused is None
-    with pytest.raises(ConfigError, match="study.pruner.max_paused"):
-        load(path, ["study.pruner.max_paused=0"])
+    assert load(path, ["study.pruner.max_checkpoints=0"]).study.pruner.max_checkpoints == 0
+    assert load(path).study.pruner.max_checkpoints is None
+    with pytest.raises(ConfigError, match="study.pruner.max_checkpoints"):
+        load(path, ["study.pruner.max_checkpoints=-1"])
 
 
 def test_pausing_trials_needs_an_artifact_store_for_their_checkpoints(tmp_path):

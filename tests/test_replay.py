@@ -588,33 +588,36 @@ def test_hpos_pause_form_pauses_only_what_stopping_would_stop_and_resumes_it_lat
     assert policy.ask().trial.number == 6
 
 
-def test_past_max_paused_the_paused_trial_ranked_lowest_in_its_rung_is_stopped():
+def test_past_max_checkpoints_the_paused_trial_ranked_lowest_gives_its_checkpoint_up():
     ground = shipped()
-    sets = ["study.pruner.pause=true", "study.pruner.max_paused=2"]
-    (policy, _), = replay.policies(["capped"], ground, 0, {"capped": sets})
-    assert policy.max_paused == 2
+    sets = ["study.pruner.pause=true", "study.pruner.max_checkpoints=2"]
+    (policy, _), = replay.policies(["bounded"], ground, 0, {"bounded": sets})
+    assert policy.max_checkpoints == 2
     runs = [policy.ask() for _ in range(5)]
     verdicts = [run.report(1, score) for run, score in
                 zip(runs, (0.5, 0.3, 0.2, 0.1, 0.25), strict=True)]
-    # Two pause; the third to pause (0.1) ranks lowest of the three paused: stopped itself.
-    # Then 0.25 pauses, and 0.2, below a half of its rung, is the one dropped.
-    assert verdicts == [False, replay.PAUSE, replay.PAUSE, True, replay.PAUSE]
-    assert policy.dropped == [runs[2]] and policy.waiting[0] == [runs[1], runs[4]]
-    runs[3].finish([0.1], True)
-    assert policy.base.study.trials[3].state == optuna.trial.TrialState.PRUNED
+    # Every trial its rung would stop pauses. The third to pause (0.1) ranks lowest of the
+    # three with checkpoints and gives its own up; then 0.25 pauses, and 0.2 gives its up.
+    assert verdicts == [False] + [replay.PAUSE] * 4
+    assert [r.lost for r in runs] == [False, False, True, True, False]
+    assert policy.waiting[0] == runs[1:]  # all still paused, ranked by what they reported
 
 
-def test_a_simulation_under_max_paused_never_holds_more_paused_trials():
+def test_a_promoted_trial_without_its_checkpoint_trains_again_and_pays_for_it():
     ground = shipped()
-    sets = ["study.pruner.pause=true", "study.pruner.max_paused=1"]
-    (policy, _), = replay.policies(["capped"], ground, 1, {"capped": sets})
-    trials = replay.simulate(policy, ground.table, 1, 2, budget=30)
-    states = [t.state for t in trials]
-    assert states.count("PAUSED") <= 1 and "PRUNED" in states
-    assert len(trials) == 30 and not policy.dropped
-    assert all(len(t.scores) <= ground.table.epochs for t in trials)
-    told = {t.state for t in policy.base.study.trials}
-    assert optuna.trial.TrialState.PRUNED in told
+    sets = ["study.pruner.pause=true", "study.budget=trainings",
+            "study.pruner.max_checkpoints=0"]
+    (policy, _), = replay.policies(["none-kept"], ground, 0, {"none-kept": sets})
+    trials = replay.simulate(policy, ground.table, 0, 2, budget=10)
+    epochs = ground.table.epochs
+    again = list({id(r): r for rung in policy.values.values() for _, r in rung
+                  if r.again}.values())
+    assert again, "no trial was promoted: the test tests nothing"
+    for run in again:  # each epoch reported once, the first time
+        assert len(run.scores) <= epochs
+    # What they trained twice is counted: all trained stays within 10 trainings.
+    trained = sum(len(t.scores) for t in trials) + sum(r.again for r in again)
+    assert trained <= 10 * epochs
 
 
 def test_a_pause_told_as_pruned_resumes_as_a_new_trial_of_the_same_parameters():

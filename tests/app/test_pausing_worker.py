@@ -48,7 +48,7 @@ def assert_ended_cleanly(trials: list[FrozenTrial], n: int, artifacts: Path) -> 
         t.state for t in trials)
     assert all(trained_once(t) for t in trials)
     for trial in trials:
-        if trial.user_attrs.get("prune_reason") in (pausing.NOT_PROMOTED, pausing.OVER_LIMIT):
+        if trial.user_attrs.get("prune_reason") == pausing.NOT_PROMOTED:
             assert max(trial.intermediate_values) == trial.user_attrs[pausing.PAUSES][-1]
     assert checkpoints_in(artifacts) == []
 
@@ -77,27 +77,32 @@ def test_paused_trials_resume_from_their_checkpoints_and_the_rest_end_pruned(
             assert said.startswith("**Resumed** from step ")
 
 
-def test_pause_auto_pauses_beside_a_sqlite_file_and_max_paused_bounds_the_paused(
+def test_pause_auto_pauses_beside_a_sqlite_file_and_promotes_trials_without_checkpoints(
         tmp_path, tiny_model, tiny_model_b, small_data, capsys):
-    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data)
+    """`pause: auto` on a SQLite file pauses; `max_checkpoints: 0` keeps no checkpoint, so
+    a promoted trial trains again from its start, and a budget of trainings counts that."""
+    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data,
+                               budget="trainings")
     config = yaml.safe_load(study_file.read_text())
-    config["study"]["pruner"].update(pause="auto", max_paused=1)
+    config["study"]["pruner"].update(pause="auto", max_checkpoints=0)
     study_file.write_text(yaml.safe_dump(config))
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
-    assert run_in_process(study_file, storage, 8) == 0
+    assert run_in_process(study_file, storage, 4) == 0
     said = capsys.readouterr().out
     assert "study.pruner.pause auto: a trial its rung would stop pauses, its checkpoint in " \
            f"{tmp_path / 'hpo-artifacts'}" in said
     trials = optuna.load_study(study_name="tiny", storage=storage).trials
-    assert_ended_cleanly(trials, 8, tmp_path / "hpo-artifacts")
-    bounded = [t for t in trials if t.user_attrs.get("prune_reason") == pausing.OVER_LIMIT]
-    assert bounded, "no pause went past the bound: the study tests nothing"
-    assert "more than study.pruner.max_paused (1) trials paused: trial(s) " in said
-    # One trial paused at a time: each ended by the bound paused while another was.
-    for trial in bounded:
-        paused_at = trial.datetime_complete
-        assert any(t.number != trial.number and t.user_attrs.get(pausing.PAUSES)
-                   and t.datetime_start <= paused_at for t in trials)
+    assert_ended_cleanly(trials, len(trials), tmp_path / "hpo-artifacts")
+    assert "gave their checkpoints up (a promotion trains them again)" in said
+    again = [t for t in trials if t.user_attrs.get(pausing.RETRAINED)]
+    assert again, "no trial was promoted: the study tests nothing"
+    assert "its checkpoint was given up, so it trains again from its start" in said
+    for trial in again:  # trained from its start, each step reported once
+        assert trial.user_attrs[pausing.RETRAINED] == trial.user_attrs[pausing.RESUMES][0]
+        assert max(trial.intermediate_values) > trial.user_attrs[pausing.RESUMES][0]
+    trained = sum(max(t.intermediate_values) + t.user_attrs.get(pausing.RETRAINED, 0)
+                  for t in trials)
+    assert trained <= 16  # 4 trainings of 4 epochs, what was trained twice included
 
 
 def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one(

@@ -27,7 +27,9 @@ def made(number: int, rungs: list[float], paused: bool = False,
     trial = create_trial(
         state=state, value=None if state == TrialState.RUNNING else rungs[-1],
         system_attrs={rung_key(k): v for k, v in enumerate(rungs)},
-        user_attrs={pausing.PAUSED_AT: len(rungs)} if paused else {},
+        user_attrs={pausing.PAUSED_AT: len(rungs),
+                    pausing.CHECKPOINT: {"id": f"k{number}", "step": len(rungs)}}
+        if paused else {},
         intermediate_values={k + 1: v for k, v in enumerate(rungs)})
     trial.number = number
     return trial
@@ -59,7 +61,7 @@ def test_the_highest_rung_resumes_first_then_the_best_then_the_earliest():
     assert pausing.to_resume(trials, 2).number == 3
 
 
-def test_past_max_paused_the_paused_trials_least_likely_to_be_promoted_end():
+def test_past_max_checkpoints_those_of_the_trials_least_likely_to_be_promoted_go():
     trials = [made(0, [0.9, 0.8], state=TrialState.COMPLETE), made(1, [0.7], paused=True),
               made(2, [0.3], paused=True), made(3, [0.5, 0.2], paused=True),
               made(4, [0.6], paused=True)]
@@ -74,6 +76,9 @@ def test_past_max_paused_the_paused_trials_least_likely_to_be_promoted_end():
              made(3, [0.3], paused=True), made(4, [0.3], paused=True)]
     assert [t.number for t in pausing.over_limit(equal, 1)] == [4, 3]
     assert [t.number for t in pausing.over_limit(equal, 0)] == [4, 3, 1]
+    # A trial whose checkpoint went already counts no more.
+    equal[3].user_attrs[pausing.CHECKPOINT] = {"id": None, "step": 1}
+    assert [t.number for t in pausing.over_limit(equal, 1)] == [3]
 
 
 @pytest.fixture
@@ -170,7 +175,9 @@ def test_the_last_paused_trials_end_pruned_and_their_checkpoints_go(beating, tmp
         store.open_reader(key)
 
 
-def test_trials_past_max_paused_end_pruned_and_their_checkpoints_go(beating, tmp_path):
+def test_a_paused_trial_past_max_checkpoints_stays_paused_without_one(beating, tmp_path):
+    from hpo.search import budget
+
     study, storage = beating
     store = optuna.artifacts.FileSystemArtifactStore(str(tmp_path))
     trials = [paused_trial(study, storage) for _ in range(2)]
@@ -179,18 +186,30 @@ def test_trials_past_max_paused_end_pruned_and_their_checkpoints_go(beating, tmp
         storage.set_trial_system_attr(trial._trial_id, rung_key(0), value)
         keys.append(pausing.save(store, trial.number, {"weights": [value]}))
         storage.set_trial_user_attr(trial._trial_id, pausing.CHECKPOINT,
-                                    {"id": keys[-1], "step": 1})
-    assert pausing.end_over_limit(study, store, 2) == []
-    assert pausing.end_over_limit(study, store, 1) == [trials[1].number]
-    ended = storage.get_trial(trials[1]._trial_id)
-    assert ended.state == TrialState.PRUNED
-    assert ended.user_attrs["prune_reason"] == pausing.OVER_LIMIT
-    assert get_note(trials[1]).startswith("**Pruned, not promoted**: paused at step 1, it "
-                                          "ranked lowest of the paused trials")
-    assert pausing.is_paused(storage.get_trial(trials[0]._trial_id))
+                                    {"id": keys[-1], "step": 1, "rung": 0})
+    assert pausing.shed(study, store, 2) == []
+    assert pausing.shed(study, store, 1) == [trials[1].number]
+    shed = storage.get_trial(trials[1]._trial_id)
+    assert pausing.is_paused(shed) and not pausing.holds_checkpoint(shed)
+    assert shed.user_attrs[pausing.CHECKPOINT] == {"id": None, "step": 1, "rung": 0}
+    assert get_note(trials[1]).startswith("**Paused** at step 1, where its rung would have "
+                                          "stopped it, its checkpoint given up")
     with pytest.raises(optuna.artifacts.exceptions.ArtifactNotFound):
         store.open_reader(keys[1])
-    assert store.open_reader(keys[0])
+    assert store.open_reader(keys[0]) and pausing.shed(study, store, 1) == []
+    # Resumed, it trains its step again: counted twice in a budget of trainings.
+    assert pausing.claim(storage, trials[1]._trial_id, "host:1")
+    assert storage.get_trial(trials[1]._trial_id).user_attrs[pausing.RETRAINED] == 1
+    study_id = storage.get_study_id_from_name("p")
+    with storage.engine.connect() as connection:
+        counted = budget.trained_in_database(connection, study_id)
+    assert sorted(counted, key=lambda t: t.retrained) == [
+        budget.Trained(1, False, 0), budget.Trained(1, True, 1)]
+    assert budget.trained_of(study.trials) == counted
+    # Put back before it reported anything new, it is paused again, still without one.
+    assert pausing.repause(storage, storage.engine, trials[1]._trial_id)
+    assert not pausing.holds_checkpoint(storage.get_trial(trials[1]._trial_id))
+    assert pausing.end_unpromoted(study, store) == [t.number for t in trials]
 
 
 def test_a_checkpoint_round_trips_through_the_store(tmp_path):

@@ -142,7 +142,8 @@ def work(site: Prepared, orders: Orders) -> None:
         run_trial = (isolation.in_child(site, pinned) if config.training.isolate_trials
                      else in_process(resources))
         promotion = (pausing.Promotion(config.study.pruner.reduction_factor,
-                                       resources.checkpoints, config.study.pruner.max_paused)
+                                       resources.checkpoints,
+                                       config.study.pruner.max_checkpoints)
                      if config.study.pruner.pause else None)
         result = run_worker(study, site.storage, run_trial, display,
                             Limits(orders.n_trials, orders.timeout,
@@ -319,18 +320,19 @@ LOST_LOCK_CLAIM = ("claimed while the study lock was lost with its database conn
 
 
 def _settle_pause(study: optuna.Study, storage: ResilientRDBStorage, trial: FrozenTrial,
-                  promotion: pausing.Promotion | None, display: LoopDisplay) -> None:
+                  promotion: pausing.Promotion | None) -> str | None:
     """Mark a trial that paused paused, under the lock, once its heartbeat thread has stopped
     (which would write the row `repause` removes again), and say so on the dashboard; past
-    `study.pruner.max_paused`, end the paused trials least likely to be promoted."""
+    `study.pruner.max_checkpoints`, the paused trials least likely to be promoted give theirs
+    up: returns the words for those, if any."""
     with budget.study_lock(storage.engine, study.study_name):
         pausing.put_back(study, storage, storage.engine, trial._trial_id)
-        if promotion is None or promotion.max_paused is None:
-            return
-        ended = pausing.end_over_limit(study, promotion.store, promotion.max_paused)
-    if ended:
-        display.message(f"more than study.pruner.max_paused ({promotion.max_paused}) trials "
-                         f"paused: trial(s) {_numbers(ended)}, ranked lowest, end pruned")
+        if promotion is None or promotion.max_checkpoints is None:
+            return None
+        shed = pausing.shed(study, promotion.store, promotion.max_checkpoints)
+    return (f"more paused trials than study.pruner.max_checkpoints "
+            f"({promotion.max_checkpoints}): trial(s) {_numbers(shed)}, ranked lowest, gave "
+            f"their checkpoints up (a promotion trains them again)") if shed else None
 
 
 def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optuna.Trial,
@@ -368,20 +370,29 @@ def _claim(study: optuna.Study, storage: ResilientRDBStorage, now: Standing,
         trials = study.get_trials(deepcopy=False)
         chosen = pausing.to_resume(trials, promotion.reduction_factor)
         if (chosen is not None and limits.trainings is not None
-                and limits.trainings.steps - chosen.user_attrs[pausing.PAUSED_AT] > now.room):
+                and limits.trainings.steps - _kept_steps(chosen) > now.room):
             chosen = None
         token = (pausing.claim(storage, chosen._trial_id, records.worker_name())
                  if chosen is not None else None)
         if chosen is not None and token is not None:
             pausing.note(study, chosen._trial_id)
-            display.message(f"trial {chosen.number} resumed from its checkpoint at step "
-                             f"{chosen.user_attrs[pausing.PAUSED_AT]}: later trials ranked "
-                             f"below it")
+            display.message(
+                f"trial {chosen.number} resumed from its checkpoint at step "
+                f"{chosen.user_attrs[pausing.PAUSED_AT]}: later trials ranked below it"
+                if pausing.holds_checkpoint(chosen) else
+                f"trial {chosen.number} promoted from step {chosen.user_attrs[pausing.PAUSED_AT]}"
+                f": later trials ranked below it; its checkpoint was given up, so it trains "
+                f"again from its start")
             return optuna.trial.Trial(study, chosen._trial_id), token, False
         if not may_claim:
             ended = _end_paused(study, trials, promotion, display, "the budget is spent")
             return None, None, bool(ended)
     return (_ask(study) if may_claim else None), None, False
+
+
+def _kept_steps(trial: FrozenTrial) -> int:
+    """The steps a paused trial goes on from: its checkpoint's, none if it gave it up."""
+    return trial.user_attrs[pausing.PAUSED_AT] if pausing.holds_checkpoint(trial) else 0
 
 
 def _end_paused(study: optuna.Study, trials: list[FrozenTrial], promotion: pausing.Promotion,
@@ -479,11 +490,12 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
             # `context.trial`: a run carried over to its retry copy frees the copy.
             display.interrupted(_interrupted(study, storage, context.trial, stop))
             raise
-        if outcome.paused_at is not None:
-            _settle_pause(study, storage, finished, limits.promotion, display)
-        else:
-            ran += 1
+        shed = (_settle_pause(study, storage, finished, limits.promotion)
+                if outcome.paused_at is not None else None)
+        ran += outcome.paused_at is None
         display.trial_finished(finished, outcome)
+        if shed:
+            display.message(shed)
         told = True
         # A dropped result was lost for want of contact, not for anything of its own.
         if not outcome.dropped:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import json
 import threading
 import zlib
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from optuna.storages._rdb.models import (
 from optuna.trial import FrozenTrial, TrialState
 
 from hpo import interrupts
-from hpo.search.pausing import PAUSED_AT
+from hpo.search.pausing import PAUSED_AT, RETRAINED
 from hpo.search.resilience import OUTAGE_SECONDS, retrying
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
@@ -141,6 +142,7 @@ class Trained:
 
     steps: int
     training: bool
+    retrained: int = 0  # steps trained again, its checkpoint given up (pausing.RETRAINED)
 
 
 @dataclass(frozen=True)
@@ -153,17 +155,19 @@ class Trainings:
     def room(self, trials: list[Trained]) -> float:
         """The steps left once every trial's are counted: a training trial's whole training
         (it may train them all), any other's trained steps."""
-        committed = sum(max(t.steps, self.steps) if t.training else t.steps for t in trials)
+        committed = sum((max(t.steps, self.steps) if t.training else t.steps) + t.retrained
+                        for t in trials)
         return self.n * self.steps - committed
 
     def spent(self, trials: list[Trained]) -> float:
         """How many full trainings the trials' trained steps come to."""
-        return sum(t.steps for t in trials) / self.steps
+        return sum(t.steps + t.retrained for t in trials) / self.steps
 
 
 def trained_in_database(connection: sqlalchemy.Connection, study_id: int) -> list[Trained]:
     """Each COMPLETE, PRUNED or RUNNING trial's `Trained`, in one query: a paused trial is
-    RUNNING with `paused_at` set, and its steps are those before its checkpoint."""
+    RUNNING with `paused_at` set, and its steps are those before its checkpoint; the steps
+    a trial trained again (its checkpoint given up) are its `retrained_steps`."""
     trials = TrialModel.__table__
     values = TrialIntermediateValueModel.__table__
     attributes = TrialUserAttributeModel.__table__
@@ -172,21 +176,27 @@ def trained_in_database(connection: sqlalchemy.Connection, study_id: int) -> lis
     paused = sqlalchemy.exists().where(
         attributes.c.trial_id == trials.c.trial_id, attributes.c.key == PAUSED_AT,
         attributes.c.value_json != "null")
+    retrained = (sqlalchemy.select(attributes.c.value_json)
+                 .where(attributes.c.trial_id == trials.c.trial_id,
+                        attributes.c.key == RETRAINED).scalar_subquery())
     rows = connection.execute(
-        sqlalchemy.select(trials.c.state, sqlalchemy.func.max(values.c.step), paused)
+        sqlalchemy.select(trials.c.state, sqlalchemy.func.max(values.c.step), paused,
+                          retrained)
         .select_from(trials.outerjoin(values, values.c.trial_id == trials.c.trial_id))
         .where(trials.c.study_id == study_id, trials.c.state.in_(_COUNTED))
         .group_by(trials.c.trial_id, trials.c.state)
     ).all()
     return [Trained(max(int(step or 0), 1),
-                    str(getattr(state, "name", state)) == "RUNNING" and not is_paused)
-            for state, step, is_paused in rows]
+                    str(getattr(state, "name", state)) == "RUNNING" and not is_paused,
+                    int(json.loads(again)) if again else 0)
+            for state, step, is_paused, again in rows]
 
 
 def trained_of(trials: list[FrozenTrial]) -> list[Trained]:
     """`trained_in_database`'s answer from trials already loaded."""
     return [Trained(max(max(t.intermediate_values, default=0), 1),
-                    t.state == TrialState.RUNNING and t.user_attrs.get(PAUSED_AT) is None)
+                    t.state == TrialState.RUNNING and t.user_attrs.get(PAUSED_AT) is None,
+                    int(t.user_attrs.get(RETRAINED, 0)))
             for t in trials if t.state in _COUNTED]
 
 

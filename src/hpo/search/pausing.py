@@ -11,9 +11,11 @@ trial that now ranks in its rung's top 1/reduction_factor (later, poorer trials 
 the highest rung first and the best value first, and trains it on from its checkpoint: no
 epoch is trained twice. Once the budget is all started (or the last worker's `--timeout` is
 up) and nothing else runs, nothing can promote what is still paused: those trials end
-PRUNED, as stopping would have ended them. Where the study bounds the paused trials
-(`study.pruner.max_paused`, each holding a checkpoint), a pause past the bound ends the paused
-trial least likely to be promoted (`over_limit`) PRUNED, the pausing one included.
+PRUNED, as stopping would have ended them. Where the study bounds the checkpoints
+(`study.pruner.max_checkpoints`), a pause past the bound takes the checkpoint of the paused
+trial least likely to be promoted (`over_limit`, the pausing one included): it stays paused,
+ranked by what it reported, and a worker that resumes it trains it again from its start
+(those steps counted again, `RETRAINED`).
 
 A resumed trial whose run ends without a result (its worker killed, interrupted or reaped)
 goes back to paused at its checkpoint (`repause`) instead of failing: what it trained since
@@ -61,7 +63,7 @@ RESUMES = "resumes"  # user attribute: the steps it was resumed from, in order
 CLAIM = "resume_claim"  # user attribute: the claim of the run that resumed it last
 ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES, CLAIM)
 NOT_PROMOTED = "not_promoted"  # the prune reason of a trial still paused at the end
-OVER_LIMIT = "paused_limit"  # the prune reason of one ended by `study.pruner.max_paused`
+RETRAINED = "retrained_steps"  # user attribute: steps trained again, its checkpoint given up
 MAX_RUNGS = 64  # more rungs than any training has: reduction factor 2 over 2**64 steps
 
 
@@ -72,7 +74,7 @@ class Promotion:
 
     reduction_factor: int
     store: ArtifactStore | None
-    max_paused: int | None = None  # `study.pruner.max_paused`: None, no bound
+    max_checkpoints: int | None = None  # `study.pruner.max_checkpoints`: None, no bound
 
 
 def is_paused(trial: FrozenTrial) -> bool:
@@ -80,7 +82,13 @@ def is_paused(trial: FrozenTrial) -> bool:
 
 
 def checkpoint_of(trial: FrozenTrial) -> dict[str, Any] | None:
+    """Its checkpoint's record ({"id", "step", "rung"}; id None: given up, `shed`)."""
     return trial.user_attrs.get(CHECKPOINT)
+
+
+def holds_checkpoint(trial: FrozenTrial) -> bool:
+    checkpoint = checkpoint_of(trial)
+    return checkpoint is not None and checkpoint.get("id") is not None
 
 
 def rung_reached(trial: FrozenTrial) -> int:
@@ -113,13 +121,13 @@ def to_resume(trials: list[FrozenTrial], reduction_factor: int) -> FrozenTrial |
     return None
 
 
-def over_limit(trials: list[FrozenTrial], max_paused: int) -> list[FrozenTrial]:
-    """The paused trials to end so that at most `max_paused` stay paused: those least likely
-    to be promoted, by the share of their rung's values above their own (the larger, the
-    more trials must still rank below them), of equals the lower rung (less trained), then
-    the later trial (as `to_resume` prefers the earlier)."""
-    paused = [t for t in trials if is_paused(t)]
-    excess = len(paused) - max_paused
+def over_limit(trials: list[FrozenTrial], max_checkpoints: int) -> list[FrozenTrial]:
+    """The paused trials to give their checkpoints up so that at most `max_checkpoints` keep
+    one: those least likely to be promoted, by the share of their rung's values above their
+    own (the larger, the more trials must still rank below them), of equals the lower rung
+    (less to train again), then the later trial (as `to_resume` prefers the earlier)."""
+    paused = [t for t in trials if is_paused(t) and holds_checkpoint(t)]
+    excess = len(paused) - max_checkpoints
     if excess <= 0:
         return []
 
@@ -177,6 +185,9 @@ def claim(storage: optuna.storages.BaseStorage, trial_id: int, worker: str) -> s
         return None
     token = uuid.uuid4().hex
     resumes = [*frozen.user_attrs.get(RESUMES, []), frozen.user_attrs[PAUSED_AT]]
+    if not holds_checkpoint(frozen):  # trained again from its start: counted at the claim
+        storage.set_trial_user_attr(trial_id, RETRAINED, frozen.user_attrs.get(RETRAINED, 0)
+                                    + frozen.user_attrs[PAUSED_AT])
     storage.set_trial_user_attr(trial_id, CLAIM, token)
     storage.set_trial_user_attr(trial_id, "worker", worker)
     storage.set_trial_user_attr(trial_id, RESUMES, resumes)
@@ -229,12 +240,19 @@ def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int
                NOT_PROMOTED)
 
 
-def end_over_limit(study: optuna.Study, store: ArtifactStore | None,
-                   max_paused: int) -> list[int]:
-    """End PRUNED the paused trials past `max_paused` (`over_limit`), their checkpoints
-    removed; returns their numbers. Under the study lock."""
-    return end(study, store, over_limit(study.get_trials(deepcopy=False), max_paused),
-               OVER_LIMIT)
+def shed(study: optuna.Study, store: ArtifactStore | None, max_checkpoints: int) -> list[int]:
+    """Take the checkpoints of the paused trials past `max_checkpoints` (`over_limit`) out of
+    the store; they stay paused. Returns their numbers. Under the study lock."""
+    numbers = []
+    for trial in over_limit(study.get_trials(deepcopy=False), max_checkpoints):
+        checkpoint = checkpoint_of(trial)
+        assert checkpoint is not None
+        study._storage.set_trial_user_attr(trial._trial_id, CHECKPOINT,
+                                           {**checkpoint, "id": None})
+        remove(store, checkpoint)
+        note(study, trial._trial_id)
+        numbers.append(trial.number)
+    return numbers
 
 
 def end(study: optuna.Study, store: ArtifactStore | None, trials: list[FrozenTrial],
@@ -262,13 +280,14 @@ def note(study: optuna.Study, trial_id: int) -> None:
     attrs = trial.user_attrs
     pauses = ", ".join(str(step) for step in attrs.get(PAUSES, []))
     resumes = ", ".join(str(step) for step in attrs.get(RESUMES, [])) or "none yet"
-    if trial.state == TrialState.PRUNED and attrs.get("prune_reason") == OVER_LIMIT:
-        now = (f"**Pruned, not promoted**: paused at step {attrs[PAUSES][-1]}, it ranked "
-               f"lowest of the paused trials when more than study.pruner.max_paused were "
-               f"paused.")
-    elif trial.state == TrialState.PRUNED:
+    if trial.state == TrialState.PRUNED:
         now = (f"**Pruned, not promoted**: paused at step {attrs[PAUSES][-1]}, and no rung "
                f"promoted it before the study's budget was spent.")
+    elif is_paused(trial) and not holds_checkpoint(trial):
+        now = (f"**Paused** at step {attrs[PAUSED_AT]}, where its rung would have stopped it, "
+               f"its checkpoint given up (more paused trials than "
+               f"study.pruner.max_checkpoints ranked above it): once later trials rank below "
+               f"it, a worker trains it again from its start.")
     elif is_paused(trial):
         now = (f"**Paused** at step {attrs[PAUSED_AT]}, where its rung would have stopped it: "
                f"its checkpoint is kept, and any worker resumes it from there once later "
@@ -311,5 +330,7 @@ def remove(store: ArtifactStore | None, checkpoint: dict[str, Any] | str | None)
     if store is None or checkpoint is None:
         return
     key = checkpoint["id"] if isinstance(checkpoint, dict) else checkpoint
+    if key is None:  # given up already
+        return
     with contextlib.suppress(Exception):  # gone already, or the store is away: only space
         store.remove(key)

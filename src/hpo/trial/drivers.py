@@ -203,6 +203,7 @@ class _TrialListener:
     progress: Progress | None = None
     warned: str | None = None
     claim: str | None = None  # a resumed run's claim on its trial (`pausing.holds`)
+    again: int = 0  # steps it reported before and trains again: not reported twice
 
     def value(self) -> float:
         study = self.run.config.study
@@ -223,6 +224,8 @@ class _TrialListener:
         context.display.epoch(context.trial.number, epoch, plan.epochs, score)
         value = self.value()
         self.still_held()
+        if index <= self.again:  # reported, and ranked at its rung, before its checkpoint went
+            return
         context.write(lambda trial: trial.report(value, index))
         # After the last evaluation the compute is spent: the result is kept, not pruned.
         if index < plan.evaluations and context.trial.should_prune():
@@ -265,7 +268,7 @@ def train_trial(run: TrialRun) -> Trained:
     # weights than needed, never fewer.
     floor = (artifacts.floor(run.context.study, resources.keeper.best)
              if resources.keeper is not None else None)
-    resume, heard.claim = resumed(run)
+    resume, heard.claim, heard.again = resumed(run)
     if resume is not None:
         heard.scores.extend(resume.scores)
     job = FitJob(resources.models, run.model_name, planned.training, run.plan,
@@ -291,25 +294,29 @@ class TrialPaused(Exception):
         self.step = step
 
 
-def resumed(run: TrialRun) -> tuple[Checkpoint | None, str | None]:
-    """The checkpoint the trial goes on from, and the claim of the worker that resumed it: a
-    trial holds one only from its first pause on, and runs again only when a worker resumes
-    it. Read to the host: the run loads it onto the device itself, weights into the model's
-    own tensors, and a second copy on the device would not fit its batch."""
+def resumed(run: TrialRun) -> tuple[Checkpoint | None, str | None, int]:
+    """The checkpoint the trial goes on from, the claim of the worker that resumed it, and
+    the steps it reported before that it trains again (its checkpoint given up under
+    `study.pruner.max_checkpoints`): a trial holds one only from its first pause on, and runs
+    again only when a worker resumes it. Read to the host: the run loads it onto the device
+    itself, weights into the model's own tensors, and a second copy on the device would not
+    fit its batch."""
     if not run.config.study.pruner.pause:
-        return None, None
+        return None, None, 0
     trial = run.trial
     attrs = trial.storage.get_trial(trial._trial_id).user_attrs
     checkpoint, store = attrs.get(pausing.CHECKPOINT), run.resources.checkpoints
     if checkpoint is None:
-        return None, None
+        return None, None, 0
+    if checkpoint["id"] is None:
+        return None, attrs.get(pausing.CLAIM), checkpoint["step"]
     if store is None:
         raise RuntimeError(f"trial {trial.number} resumes from a checkpoint, but this worker "
                            f"has no artifact store to read it from")
     payload = pausing.load(store, checkpoint["id"], torch.device("cpu"))
     if not isinstance(payload, Checkpoint):
         raise RuntimeError(f"trial {trial.number}'s checkpoint {checkpoint['id']} is not one")
-    return payload, attrs.get(pausing.CLAIM)
+    return payload, attrs.get(pausing.CLAIM), 0
 
 
 def pause(run: TrialRun, checkpoint: Checkpoint) -> TrialPaused:
