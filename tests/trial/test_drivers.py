@@ -279,7 +279,7 @@ def test_a_resumed_run_that_lost_its_claim_writes_nothing_more(monkeypatch, tmp_
     # Resumed under a claim that a reaper's repause and another worker's claim replaced.
     study._storage.set_trial_user_attr(paused._trial_id, pausing.CLAIM, "another worker's")
     monkeypatch.setattr(drivers_module(), "resumed", lambda run: (
-        pausing.load(store, paused.user_attrs[pausing.CHECKPOINT]["id"], "cpu"), "mine"))
+        pausing.load(store, paused.user_attrs[pausing.CHECKPOINT]["id"], "cpu"), "mine", 0))
     monkeypatch.setattr(optuna.trial.Trial, "should_prune", lambda self: False)
     with pytest.raises(Reaped, match="trial 0 was put back to paused while this run resumed"):
         _trial_run(monkeypatch, [0.3, 0.6], "best", pause=True, checkpoints=store,
