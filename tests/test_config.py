@@ -94,13 +94,16 @@ def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_pa
     assert decided.study.pruner.pause is True
     assert said == (f"  study.pruner.pause auto: a trial its rung would stop pauses, its "
                     f"checkpoint in {tmp_path / 'hpo-artifacts'}")
+    # Without a store it pauses too, keeping no checkpoint.
     decided, said = with_pause_decided(load(path, auto), "postgresql://h/db")
-    assert decided.study.pruner.pause is False and said.endswith(
-        "stopped: set study.artifacts (a directory every worker shares, or s3://BUCKET) to "
-        "pause them")
-    stored = with_pause_decided(load(path, [*auto, "study.artifacts=/shared"]),
-                                "postgresql://h/db")[0]
-    assert stored.study.pruner.pause is True and stored.study.artifacts == "/shared"
+    assert decided.study.pruner.pause is True and decided.study.pruner.max_checkpoints == 0
+    assert said == ("  study.pruner.pause auto: a trial its rung would stop pauses, without a "
+                    "checkpoint (no study.artifacts): promoted, it trains again from its start")
+    stored, said = with_pause_decided(
+        load(path, [*auto, "study.artifacts=/shared", "study.pruner.max_checkpoints=8"]),
+        "postgresql://h/db")
+    assert stored.study.pruner.pause is True and stored.study.pruner.max_checkpoints == 8
+    assert said.endswith("checkpoint in /shared (at most 8, study.pruner.max_checkpoints)")
     # Where a trial cannot pause, auto is no error: it stops, and says why (or, under a
     # pruner that never pauses, nothing).
     folds, said = with_pause_decided(load(path, [*auto, "data.cv_folds=3"]), sqlite)
@@ -133,6 +136,9 @@ def test_pausing_trials_needs_an_artifact_store_for_their_checkpoints(tmp_path):
     assert (tmp_path / "hpo-artifacts").is_dir()
     assert checkpoint_store(load(write_study(tmp_path, study_dict(["m"], tmp_path))),
                             "postgresql://h/db") is None  # a study that stops trials
+    none_kept = config.model_copy(update={"study": config.study.model_copy(update={
+        "pruner": config.study.pruner.model_copy(update={"max_checkpoints": 0})})})
+    assert checkpoint_store(none_kept, "postgresql://h/db") is None  # needs no store
 
 
 @pytest.mark.parametrize("value", ["x", 0, 2.5, True, "6"])

@@ -77,27 +77,31 @@ def test_paused_trials_resume_from_their_checkpoints_and_the_rest_end_pruned(
             assert said.startswith("**Resumed** from step ")
 
 
-def test_pause_auto_pauses_beside_a_sqlite_file_and_promotes_trials_without_checkpoints(
-        tmp_path, tiny_model, tiny_model_b, small_data, capsys):
-    """`pause: auto` on a SQLite file pauses; `max_checkpoints: 0` keeps no checkpoint, so
-    a promoted trial trains again from its start, and a budget of trainings counts that."""
+def test_pause_auto_without_a_store_pauses_and_trains_a_promoted_trial_again(
+        tmp_path, tiny_model, tiny_model_b, small_data, pg_url, capsys):
+    """`pause: auto` on PostgreSQL with no `study.artifacts` pauses without checkpoints: a
+    promoted trial trains again from its start, each step reported once, and a budget of
+    trainings counts what it trained twice."""
     study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data,
                                budget="trainings")
     config = yaml.safe_load(study_file.read_text())
-    config["study"]["pruner"].update(pause="auto", max_checkpoints=0)
+    config["study"]["pruner"]["pause"] = "auto"
     study_file.write_text(yaml.safe_dump(config))
-    storage = f"sqlite:///{tmp_path / 'hpo.db'}"
-    assert run_in_process(study_file, storage, 4) == 0
+    assert run_in_process(study_file, pg_url, 4) == 0
     said = capsys.readouterr().out
-    assert "study.pruner.pause auto: a trial its rung would stop pauses, its checkpoint in " \
-           f"{tmp_path / 'hpo-artifacts'}" in said
-    trials = optuna.load_study(study_name="tiny", storage=storage).trials
-    assert_ended_cleanly(trials, len(trials), tmp_path / "hpo-artifacts")
-    assert "gave their checkpoints up (a promotion trains them again)" in said
+    assert ("study.pruner.pause auto: a trial its rung would stop pauses, without a "
+            "checkpoint (no study.artifacts): promoted, it trains again from its start") in said
+    storage = optuna.storages.RDBStorage(pg_url)
+    try:
+        trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    finally:
+        storage.engine.dispose()
+    assert_ended_cleanly(trials, len(trials), tmp_path / "nowhere")
+    assert not any(t.user_attrs.get(pausing.CHECKPOINT, {}).get("id") for t in trials)
     again = [t for t in trials if t.user_attrs.get(pausing.RETRAINED)]
     assert again, "no trial was promoted: the study tests nothing"
-    assert "its checkpoint was given up, so it trains again from its start" in said
-    for trial in again:  # trained from its start, each step reported once
+    assert "it kept no checkpoint (study.pruner.max_checkpoints), so it trains again" in said
+    for trial in again:  # trained from its start, on past where it paused
         assert trial.user_attrs[pausing.RETRAINED] == trial.user_attrs[pausing.RESUMES][0]
         assert max(trial.intermediate_values) > trial.user_attrs[pausing.RESUMES][0]
     trained = sum(max(t.intermediate_values) + t.user_attrs.get(pausing.RETRAINED, 0)

@@ -193,7 +193,7 @@ def test_a_paused_trial_past_max_checkpoints_stays_paused_without_one(beating, t
     assert pausing.is_paused(shed) and not pausing.holds_checkpoint(shed)
     assert shed.user_attrs[pausing.CHECKPOINT] == {"id": None, "step": 1, "rung": 0}
     assert get_note(trials[1]).startswith("**Paused** at step 1, where its rung would have "
-                                          "stopped it, its checkpoint given up")
+                                          "stopped it, without a checkpoint")
     with pytest.raises(optuna.artifacts.exceptions.ArtifactNotFound):
         store.open_reader(keys[1])
     assert store.open_reader(keys[0]) and pausing.shed(study, store, 1) == []

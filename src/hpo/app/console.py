@@ -126,7 +126,7 @@ class ConsoleDisplay:
             return
         attrs = trial.user_attrs
         if outcome.paused_at is not None:
-            result = (f"paused at step {outcome.paused_at} (its checkpoint stored; it resumes "
+            result = (f"paused at step {outcome.paused_at} (it resumes "
                       f"if later trials rank below it)")
         elif outcome.state == TrialState.COMPLETE:
             result = f"value {outcome.value:.4f}"

@@ -381,8 +381,8 @@ def _claim(study: optuna.Study, storage: ResilientRDBStorage, now: Standing,
                 f"{chosen.user_attrs[pausing.PAUSED_AT]}: later trials ranked below it"
                 if pausing.holds_checkpoint(chosen) else
                 f"trial {chosen.number} promoted from step {chosen.user_attrs[pausing.PAUSED_AT]}"
-                f": later trials ranked below it; its checkpoint was given up, so it trains "
-                f"again from its start")
+                f": later trials ranked below it; it kept no checkpoint "
+                f"(study.pruner.max_checkpoints), so it trains again from its start")
             return optuna.trial.Trial(study, chosen._trial_id), token, False
         if not may_claim:
             ended = _end_paused(study, trials, promotion, display, "the budget is spent")

@@ -115,39 +115,48 @@ def keeper_for(config: StudyConfig, storage_url: str) -> Keeper | None:
 def with_pause_decided(config: StudyConfig, storage_url: str
                        ) -> tuple[StudyConfig, str | None]:
     """`study.pruner.pause: auto` decided for this storage, and the line that says how: pause
-    where a rung can (successive halving, not cross-validated) and the study has a store for
-    the checkpoints, else stop. Any other setting as it is (and no line)."""
+    where a rung can (successive halving, not cross-validated), the checkpoints in the
+    study's store, or, where it has none, without checkpoints (`max_checkpoints` 0: a
+    promoted trial trains again from its start); else stop. Any other setting as it is (and
+    no line)."""
     pruner = config.study.pruner
     if pruner.pause != "auto":
         return config, None
     where = location(config.study.artifacts, storage_url)
-    pauses = (pruner.name == "successive_halving" and not config.data.cv_folds
-              and where is not None)
-    study = config.study.model_copy(
-        update={"pruner": pruner.model_copy(update={"pause": pauses})})
+    pauses = pruner.name == "successive_halving" and not config.data.cv_folds
+    update: dict[str, Any] = {"pause": pauses}
+    if pauses and where is None:
+        update["max_checkpoints"] = 0
+    study = config.study.model_copy(update={"pruner": pruner.model_copy(update=update)})
     decided = config.model_copy(update={"study": study})
     if pruner.name != "successive_halving":
         return decided, None  # its pruner never pauses: nothing to say
-    if pauses:
-        return decided, (f"  study.pruner.pause auto: a trial its rung would stop pauses, its "
-                         f"checkpoint in {where}")
-    why = ("a cross-validated trial cannot pause (data.cv_folds)" if config.data.cv_folds
-           else "set study.artifacts (a directory every worker shares, or s3://BUCKET) to "
-                "pause them")
-    return decided, f"  study.pruner.pause auto: trials its rungs would stop are stopped: {why}"
+    if config.data.cv_folds:
+        return decided, ("  study.pruner.pause auto: trials its rungs would stop are stopped: "
+                         "a cross-validated trial cannot pause (data.cv_folds)")
+    if where is None or pruner.max_checkpoints == 0:
+        return decided, ("  study.pruner.pause auto: a trial its rung would stop pauses, "
+                         "without a checkpoint (no study.artifacts): promoted, it trains "
+                         "again from its start")
+    kept = ("" if pruner.max_checkpoints is None
+            else f" (at most {pruner.max_checkpoints}, study.pruner.max_checkpoints)")
+    return decided, (f"  study.pruner.pause auto: a trial its rung would stop pauses, its "
+                     f"checkpoint in {where}{kept}")
 
 
 def checkpoint_store(config: StudyConfig, storage_url: str) -> ArtifactStore | None:
     """Where a study that pauses trials (`study.pruner.pause`) keeps their checkpoints: its
     artifact store, which every worker that may resume them must reach. None where it does
-    not pause; bad input where it has no store."""
-    if not config.study.pruner.pause:
+    not pause or keeps no checkpoints (`max_checkpoints: 0`); bad input where it has no
+    store."""
+    if not config.study.pruner.pause or config.study.pruner.max_checkpoints == 0:
         return None
     where = location(config.study.artifacts, storage_url)
     if where is None:
         raise ConfigError("study.pruner.pause keeps paused trials' checkpoints in the "
                           "artifact store: set study.artifacts (a directory every worker "
-                          "shares, or s3://BUCKET)")
+                          "shares, or s3://BUCKET), or study.pruner.max_checkpoints to 0 "
+                          "(a promoted trial then trains again from its start)")
     return open_store(where)
 
 

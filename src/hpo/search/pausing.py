@@ -146,10 +146,11 @@ def over_limit(trials: list[FrozenTrial], max_checkpoints: int) -> list[FrozenTr
 # ------------------------------------------------------------------- the trial's marks
 
 
-def record_checkpoint(trial: optuna.Trial, step: int, checkpoint: str) -> str | None:
+def record_checkpoint(trial: optuna.Trial, step: int, checkpoint: str | None) -> str | None:
     """Record the new `checkpoint` of the running `trial`, taken at `step` (the rung it
-    paused at with it); returns the key of the one it replaces (for the caller to remove),
-    if any. The trial is marked paused once its heartbeat has stopped (`repause`)."""
+    paused at with it; None: none kept); returns the key of the one it replaces (for the
+    caller to remove), if any. The trial is marked paused once its heartbeat has stopped
+    (`repause`)."""
     frozen = trial.storage.get_trial(trial._trial_id)
     attrs = frozen.user_attrs
     old = attrs.get(CHECKPOINT)
@@ -285,9 +286,8 @@ def note(study: optuna.Study, trial_id: int) -> None:
                f"promoted it before the study's budget was spent.")
     elif is_paused(trial) and not holds_checkpoint(trial):
         now = (f"**Paused** at step {attrs[PAUSED_AT]}, where its rung would have stopped it, "
-               f"its checkpoint given up (more paused trials than "
-               f"study.pruner.max_checkpoints ranked above it): once later trials rank below "
-               f"it, a worker trains it again from its start.")
+               f"without a checkpoint (study.pruner.max_checkpoints): once later trials rank "
+               f"below it, a worker trains it again from its start.")
     elif is_paused(trial):
         now = (f"**Paused** at step {attrs[PAUSED_AT]}, where its rung would have stopped it: "
                f"its checkpoint is kept, and any worker resumes it from there once later "

@@ -321,11 +321,12 @@ def resumed(run: TrialRun) -> tuple[Checkpoint | None, str | None, int]:
 
 def pause(run: TrialRun, checkpoint: Checkpoint) -> TrialPaused:
     """Keep a paused fit's checkpoint in the store and record it on the trial (the one it
-    replaces removed after); the worker marks the trial paused once its heartbeat stops."""
+    replaces removed after); the worker marks the trial paused once its heartbeat stops. A
+    study that keeps no checkpoints (`study.pruner.max_checkpoints: 0`, no store) records
+    only the step: promoted, the trial trains again from its start."""
     store, trial = run.resources.checkpoints, run.trial
-    assert store is not None  # a study that pauses opens its store before any trial
     step = checkpoint.train.evaluations
-    key = pausing.save(store, trial.number, checkpoint)
+    key = pausing.save(store, trial.number, checkpoint) if store is not None else None
     try:
         old = run.context.write(lambda live: pausing.record_checkpoint(live, step, key))
     except BaseException:
