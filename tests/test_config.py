@@ -93,7 +93,8 @@ def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_pa
     decided, said = with_pause_decided(load(path, auto), sqlite)
     assert decided.study.pruner.pause is True
     assert said == (f"  study.pruner.pause auto: a trial its rung would stop pauses, its "
-                    f"checkpoint in {tmp_path / 'hpo-artifacts'}")
+                    f"checkpoint in {tmp_path / 'hpo-artifacts'} (at most 8, "
+                    f"study.pruner.max_checkpoints)")
     # Without a store it pauses too, keeping no checkpoint.
     decided, said = with_pause_decided(load(path, auto), "postgresql://h/db")
     assert decided.study.pruner.pause is True and decided.study.pruner.max_checkpoints == 0
@@ -118,7 +119,8 @@ def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_pa
 def test_max_checkpoints_is_a_count_or_null(tmp_path):
     path = write_study(tmp_path, study_dict(["m"], tmp_path))
     assert load(path, ["study.pruner.max_checkpoints=0"]).study.pruner.max_checkpoints == 0
-    assert load(path).study.pruner.max_checkpoints is None
+    assert load(path).study.pruner.max_checkpoints == 8
+    assert load(path, ["study.pruner.max_checkpoints=null"]).study.pruner.max_checkpoints is None
     with pytest.raises(ConfigError, match="study.pruner.max_checkpoints"):
         load(path, ["study.pruner.max_checkpoints=-1"])
 

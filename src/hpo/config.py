@@ -280,13 +280,13 @@ class PrunerConfig(_Section):
     is spent ends pruned. false: stopped for good (Optuna's rule). Not under cv_folds.
     `auto`: pause where the study has an artifact store (`study.artifacts`, or the directory
     beside a SQLite file) and is not cross-validated, else stop (the worker says which)."""
-    max_checkpoints: Annotated[int, Field(ge=0)] | None = None
+    max_checkpoints: Annotated[int, Field(ge=0)] | None = 8
     """pause: at most this many paused trials keep a checkpoint in the store (the model's
     weights and AdamW's state: about 3 x 4 bytes a parameter). Past it, the paused trial
     least likely to be promoted (the largest share of its rung above its value; of equals
     the lower rung, then the later trial) gives its checkpoint up and stays paused: if a rung
     promotes it, it trains again from its start, and the budget counts those steps twice.
-    null: no bound."""
+    0: no checkpoint, no store needed. null: no bound."""
 
     def on_evidence(self) -> bool:
         """Whether a rung waits for evidence (hpo's `EvidenceHalvingPruner`, not Optuna's)."""
