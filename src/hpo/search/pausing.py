@@ -61,9 +61,9 @@ CHECKPOINT = "checkpoint"  # user attribute: {"id": the store's key, "step": its
 PAUSES = "pauses"  # user attribute: the steps it paused at, in order
 RESUMES = "resumes"  # user attribute: the steps it was resumed from, in order
 CLAIM = "resume_claim"  # user attribute: the claim of the run that resumed it last
-ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES, CLAIM)
-NOT_PROMOTED = "not_promoted"  # the prune reason of a trial still paused at the end
 RETRAINED = "retrained_steps"  # user attribute: steps trained again, its checkpoint given up
+ATTRIBUTES = (PAUSED_AT, CHECKPOINT, PAUSES, RESUMES, CLAIM, RETRAINED)
+NOT_PROMOTED = "not_promoted"  # the prune reason of a trial still paused at the end
 MAX_RUNGS = 64  # more rungs than any training has: reduction factor 2 over 2**64 steps
 
 
@@ -237,8 +237,19 @@ def put_back(study: optuna.Study, storage: optuna.storages.BaseStorage,
 def end_unpromoted(study: optuna.Study, store: ArtifactStore | None) -> list[int]:
     """End every paused trial PRUNED (nothing can promote them any more) and remove their
     checkpoints; returns their numbers. Under the study lock."""
-    return end(study, store, study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)),
-               NOT_PROMOTED)
+    ended = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if not is_paused(trial):
+            continue
+        try:
+            study._storage.set_trial_user_attr(trial._trial_id, "prune_reason", NOT_PROMOTED)
+            study.tell(trial.number, state=TrialState.PRUNED)
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+            continue  # another worker ended it first
+        remove(store, checkpoint_of(trial))
+        note(study, trial._trial_id)
+        ended.append(trial.number)
+    return ended
 
 
 def shed(study: optuna.Study, store: ArtifactStore | None, max_checkpoints: int) -> list[int]:
@@ -254,24 +265,6 @@ def shed(study: optuna.Study, store: ArtifactStore | None, max_checkpoints: int)
         note(study, trial._trial_id)
         numbers.append(trial.number)
     return numbers
-
-
-def end(study: optuna.Study, store: ArtifactStore | None, trials: list[FrozenTrial],
-        reason: str) -> list[int]:
-    """End PRUNED, for `reason`, those of `trials` still paused; returns their numbers."""
-    ended = []
-    for trial in trials:
-        if not is_paused(trial):
-            continue
-        try:
-            study._storage.set_trial_user_attr(trial._trial_id, "prune_reason", reason)
-            study.tell(trial.number, state=TrialState.PRUNED)
-        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
-            continue  # another worker ended it first
-        remove(store, checkpoint_of(trial))
-        note(study, trial._trial_id)
-        ended.append(trial.number)
-    return ended
 
 
 def note(study: optuna.Study, trial_id: int) -> None:
