@@ -83,6 +83,15 @@ def test_pausing_trials_needs_successive_halving_and_one_model_per_trial(tmp_pat
     assert load(path, pausing).study.pruner.pause
 
 
+def test_a_pause_neither_bool_nor_auto_is_named_in_one_short_line(tmp_path):
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    with pytest.raises(ConfigError) as raised:
+        load(path, ["study.pruner.pause=sometimes"])
+    assert str(raised.value).endswith("study.pruner.pause: expected true, false or auto "
+                                      "(got 'sometimes')")
+    assert "bool" not in str(raised.value)
+
+
 def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_path):
     from hpo.search.artifacts import with_pause_decided
 

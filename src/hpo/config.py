@@ -299,6 +299,14 @@ class PrunerConfig(_Section):
             return value
         raise ValueError("expected auto or a whole number of epochs, at least 1")
 
+    @field_validator("pause", mode="before")
+    @classmethod
+    def _pause(cls, value: Any) -> Any:
+        # One line for the two branches of `bool | "auto"` (pydantic would name both).
+        if value == "auto" or type(value) is bool:
+            return value
+        raise ValueError("expected true, false or auto")
+
     def first_rung(self, steps: int) -> int:
         """`min_resource` for trials that report `steps` steps, `auto` resolved."""
         if self.min_resource == "auto":
