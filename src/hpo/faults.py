@@ -18,7 +18,8 @@ HPO_FAULT_KILL_AT=POINT       the worker kills itself with SIGKILL (an eviction,
                               just after claiming), `heartbeat` (before the trial's first
                               heartbeat), `train` (at the second optimizer step), `tell` (with
                               the result, just before telling the study), `resume` (in a
-                              trial resumed from its checkpoint, at its first optimizer step).
+                              paused trial resumed, from its checkpoint or trained again from
+                              its start, at its first optimizer step).
 HPO_FAULT_COMPILE=forward|backward
                               torch.compile's compiler fails on the model's forward graph, or
                               on its backward graph (which torch compiles at the first

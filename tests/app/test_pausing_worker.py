@@ -142,6 +142,40 @@ def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one
     assert not any(t.system_attrs.get("retry_history") for t in trials)
 
 
+def test_a_worker_killed_while_it_trains_a_promoted_trial_again_leaves_it_paused(
+        tmp_path, tiny_model, tiny_model_b, small_data, pg_url):
+    """No checkpoints kept (`max_checkpoints: 0`): a promoted trial trains again from its
+    start, and a worker killed doing so leaves it paused where it was, for another to train
+    again; the steps each claim trains again are counted, none reported twice."""
+    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data)
+    config = yaml.safe_load(study_file.read_text())
+    config["study"]["pruner"]["max_checkpoints"] = 0
+    study_file.write_text(yaml.safe_dump(config))
+    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
+    victim = start_worker(study_file, pg_url, 8, env={**env, "HPO_FAULT_KILL_AT": "resume"})
+    assert victim.wait(timeout=600) == -9, victim.stderr.read()[-2000:]
+    storage = optuna.storages.RDBStorage(pg_url)
+    try:
+        study = optuna.load_study(study_name="tiny", storage=storage)
+        killed = [t for t in study.trials if t.user_attrs.get(pausing.RESUMES)]
+        assert len(killed) == 1 and killed[0].state == TrialState.RUNNING
+        number, paused_at = killed[0].number, killed[0].user_attrs[pausing.PAUSES][0]
+        assert killed[0].user_attrs[pausing.RETRAINED] == paused_at  # charged at the claim
+        workers = [start_worker(study_file, pg_url, 8, env=env) for _ in range(2)]
+        for process in workers:
+            assert process.wait(timeout=600) == 0, process.stderr.read()[-2000:]
+        trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    finally:
+        storage.engine.dispose()
+    assert_ended_cleanly(trials, 8, tmp_path / "nowhere")
+    again = trials[number]
+    resumes = again.user_attrs[pausing.RESUMES]
+    assert len(resumes) >= 2 and resumes[0] == resumes[1] == paused_at
+    # Each claim charged what it would train again, the dead run's included.
+    assert again.user_attrs[pausing.RETRAINED] == sum(resumes)
+    assert not any(t.system_attrs.get("retry_history") for t in trials)
+
+
 def test_under_a_budget_of_trainings_pausing_trains_at_most_n_full_trainings(
         tmp_path, tiny_model, tiny_model_b, small_data):
     """`study.budget: trainings`: `--n-trials 4` of 4 epochs buys 16 epochs; paused and

@@ -23,6 +23,7 @@ from typing import Protocol
 import optuna
 import torch
 
+from hpo import faults
 from hpo.config import TrainingConfig
 from hpo.data.batching import Encoded
 from hpo.outcome import Reaped
@@ -234,6 +235,8 @@ class _TrialListener:
             raise optuna.TrialPruned(f"pruned at epoch {epoch}")
 
     def stepped(self, progress: Progress) -> None:
+        if self.again and progress.step == 1:  # trained again from its start: resumed too
+            faults.kill_at("resume")
         self.progress = progress
         self.run.context.display.step(self.run.trial.number, progress, self.run.plan.epochs)
 
