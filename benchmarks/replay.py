@@ -63,6 +63,7 @@ from typing import Any, Protocol
 
 import optuna
 import peer_syne
+import replay_lcbench
 import tables
 import tpe_speed
 import yaml
@@ -1100,6 +1101,9 @@ def race(chosen: list[tuple[Policy, bool]], table: Any, world: int, setting: Set
                             "pruned": sum(t.state == "PRUNED" for t in trials),
                             "paused": sum(t.state == "PAUSED" for t in trials),
                             "reports": sum(len(t.scores) for t in trials),
+                            # Curves met: fewer than its trials where suggestions near each
+                            # other read the same recorded run (a table's nearest lookup).
+                            "distinct": len({table.curve(t.config, world) for t in trials}),
                             "wall": round(wall(trials), 3)}
     end = horizon if setting.mode == "compute" else max(r["wall"] for r in out.values())
     found = [yardstick.incumbent(r["steps"], end) for r in out.values()]
@@ -1164,17 +1168,22 @@ def cut(made: dict, epochs: int | None) -> dict:
     return {**made, "epochs": epochs, "rows": rows}
 
 
-def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | None
-            ) -> list[Ground]:
+def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | None,
+            surrogate: str | None = None) -> list[Ground]:
     """The tables of a replay, read once per process: the demo's (a .json file of
     benchmarks/learning_curves.py) with hpo's demo study and the tools' measured costs, or
-    tables in the JSON Lines format with a study at hpo's defaults."""
-    key = (paths, real, even_costs, epochs)
+    tables in the JSON Lines format with a study at hpo's defaults; LCBench's answered by its
+    surrogate in `surrogate` (a yahpo_data clone) where one is given."""
+    key = (paths, real, even_costs, epochs, surrogate)
     if key not in _GROUNDS:
         found = []
+        evaluate = replay_lcbench.onnx_surrogate(Path(surrogate)) if surrogate else None
         for path in map(Path, paths):
             if path.suffix == ".jsonl":
                 table = tables.read(path)
+                task = replay_lcbench.task_of(table.name)
+                if evaluate is not None and task is not None:
+                    table.answer = replay_lcbench.answerer(evaluate, task)
                 found.append(Ground(table_study(table), table))
                 continue
             made = cut(json.loads(path.read_text()), epochs or None)
@@ -1201,8 +1210,9 @@ def versions() -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    surrogate = str(args.surrogate) if args.surrogate else None
     load = functools.partial(grounds, tuple(str(p) for p in args.table), str(args.real),
-                             args.even_costs, args.epochs)
+                             args.even_costs, args.epochs, surrogate)
     variants = tuple((label, tuple(sets)) for label, sets in args.variants)
     names = ("hpo", *dict.fromkeys(p for p in args.policies if p != "hpo"),
              *(label for label, _ in variants if label != "hpo"))
@@ -1224,6 +1234,8 @@ def run(args: argparse.Namespace) -> dict:
         "horizons": [h if math.isfinite(h) else None for h in setting.horizons],
         "hpo_sets": args.hpo_sets,
         "even_costs": args.even_costs, "policies": list(names),
+        "answers": ("the surrogate at the point" if surrogate
+                    else "the nearest recorded run"),
         "tables": [{"file": Path(p).name, "name": g.table.name,
                     # A part recorded on another CPU kind, and how its gate came out.
                     **({"parts": g.table.table["parts"]}
@@ -1260,7 +1272,7 @@ def horizons_of(path: Path, count: int) -> tuple[float, ...]:
 
 # What must agree between outputs merged into one.
 SAME = ("mode", "budget", "workers", "horizons", "hpo_sets", "even_costs", "policies",
-        "tables", "tpe")
+        "tables", "tpe", "answers")
 
 
 def merge(results: list[dict]) -> dict:
@@ -1414,6 +1426,10 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--hpo-set", dest="hpo_sets", action="append", default=[],
                        metavar="KEY=VALUE", help="hpo's defaults changed so; the peers, "
                        "those built on hpo too, keep the study file's")
+    found.add_argument("--surrogate", type=Path, metavar="YAHPO_DATA",
+                       help="LCBench's tables (replay_lcbench.py) answered by YAHPO's "
+                       "surrogate at each suggested point, not by the nearest of their "
+                       "recorded runs: a clone of slds-lmu/yahpo_data")
     found.add_argument("--exact-tpe", action="store_true",
                        help="Optuna's own _log_ndtr in TPE (slower; the same figures)")
     found.add_argument("--even-costs", action="store_true",
@@ -1458,6 +1474,9 @@ def main(argv: list[str] | None = None) -> None:
             tables.read(path)
         except (ValueError, KeyError) as error:  # json's errors are ValueErrors
             parser().error(f"table {path}: {error}")
+    if args.surrogate and not (args.surrogate / "lcbench" / "model.onnx").is_file():
+        parser().error(f"--surrogate {args.surrogate}: no lcbench/model.onnx there (a clone "
+                       "of slds-lmu/yahpo_data)")
     if set(args.policies) & set(peer_syne.METHODS) and not peer_syne.available():
         parser().error(f"the Syne Tune peers need Syne Tune at {peer_syne.PYTHON}: "
                        "python3 -m venv .venv-syne && .venv-syne/bin/pip install -r "

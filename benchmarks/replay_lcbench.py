@@ -27,6 +27,7 @@ import random
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import tables
 from optuna.distributions import BaseDistribution, FloatDistribution, IntDistribution
@@ -84,6 +85,15 @@ def space() -> dict[str, BaseDistribution]:
             for name, (low, high, log, integer) in SPACE.items()}
 
 
+def curve_of(rows: list[dict[str, float]]) -> list[list[float]]:
+    """A run's curve from the surrogate's outputs at its epochs 1 to 52."""
+    curve, done = [], 0.0
+    for row in rows:
+        done = max(done + 1e-3, row["time"])
+        curve.append([round(done, 4), round(row["val_accuracy"] / 100, 6)])
+    return curve
+
+
 def runs(evaluate: Evaluate, task: str, count: int
          ) -> Iterator[tuple[dict[str, float], list[list[float]]]]:
     """`count` random configurations of `task` (seeded by the task) and their curves."""
@@ -93,11 +103,26 @@ def runs(evaluate: Evaluate, task: str, count: int
         chunk = configs[start:start + 100]
         rows = evaluate(task, [{**c, "epoch": e} for c in chunk for e in range(1, EPOCHS + 1)])
         for k, config in enumerate(chunk):
-            curve, done = [], 0.0
-            for row in rows[k * EPOCHS:(k + 1) * EPOCHS]:
-                done = max(done + 1e-3, row["time"])
-                curve.append([round(done, 4), round(row["val_accuracy"] / 100, 6)])
-            yield config, curve
+            yield config, curve_of(rows[k * EPOCHS:(k + 1) * EPOCHS])
+
+
+def task_of(table: str) -> str | None:
+    """The task of a table this module wrote ("lcbench-3945"), else None."""
+    prefix, _, task = table.partition("-")
+    return task if prefix == "lcbench" and task else None
+
+
+def answerer(evaluate: Evaluate, task: str) -> Callable[[dict[str, Any]], tables.Run]:
+    """The surrogate's run of `task` at any configuration, as its table records one (the
+    same rounding: at a recorded configuration, the recorded run)."""
+
+    def answer(params: dict[str, Any]) -> tables.Run:
+        config = {name: params[name] for name in SPACE}
+        rows = evaluate(task, [{**config, "epoch": e} for e in range(1, EPOCHS + 1)])
+        curve = curve_of(rows)
+        return tables.Run(config, tuple(s for s, _ in curve), tuple(v for _, v in curve))
+
+    return answer
 
 
 def tasks_of(data: Path) -> list[str]:

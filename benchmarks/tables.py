@@ -14,7 +14,9 @@ again (other seeds): world k reads one of them, chosen by k, so paired policies 
 noise and the worlds differ as training noise does.
 
 A suggestion is answered by the recorded run nearest to it in the space's unit cube (log-scaled
-where the distribution is log), among the runs whose categorical values match it. Values are
+where the distribution is log), among the runs whose categorical values match it, or, where the
+table's runs were read from a surrogate that the replay can read too (`answer`: LCBench's, with
+`replay.py --surrogate`), by the surrogate at the suggested point itself. Values are
 turned to "higher is better" for the policies (a minimized table's values negated); regret is
 indifferent to the sign.
 """
@@ -25,7 +27,7 @@ import hashlib
 import json
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,9 @@ class RecordedTable:
     runs: list[Run]
     costs: Costs = field(default_factory=lambda: Costs({}, {}))
     max_physical: int = 0
+    # A surrogate's run at any point, in place of the nearest recorded run: a search that
+    # refines near its incumbent then meets new values, not the same run again.
+    answer: Callable[[dict[str, Any]], Run] | None = None
     _groups: dict[tuple, tuple[np.ndarray, list[list[Run]]]] = field(default_factory=dict)
     _cache: dict[tuple[Point, int], Curve] = field(default_factory=dict)
 
@@ -149,8 +154,11 @@ class RecordedTable:
     def curve(self, config: Point, world: int) -> Curve:
         key = (config, world)
         if key not in self._cache:
-            runs = self.nearest(config.as_dict())
-            run = runs[draw(f"{world}:{sorted(runs[0].params.items())}", len(runs))]
+            if self.answer is not None:
+                run = self.answer(config.as_dict())
+            else:
+                runs = self.nearest(config.as_dict())
+                run = runs[draw(f"{world}:{sorted(runs[0].params.items())}", len(runs))]
             starts = (0.0, *run.seconds[:-1])
             # Each report takes at least a millisecond (recorded clocks can stand still).
             self._cache[key] = Curve(tuple(self.sign * v for v in run.values),

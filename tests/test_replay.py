@@ -653,6 +653,49 @@ def test_a_malformed_table_is_refused_in_one_line_naming_it(tmp_path, capsys):
     assert ended.value.code == 2 and str(bad) in err and "direction" in err
 
 
+def test_a_surrogate_folder_without_lcbenchs_model_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as ended:
+        replay.main(["--surrogate", str(tmp_path), "--policies", "random"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ended.value.code == 2 and "lcbench/model.onnx" in err and str(tmp_path) in err
+
+
+def test_with_a_surrogate_lcbenchs_tables_answer_at_each_point_and_others_stay(tmp_path,
+                                                                                 monkeypatch):
+    """`--surrogate`: a table replay_lcbench.py wrote is answered by the surrogate at each
+    suggested point; another table (the demo's) by its nearest recorded run, as before; the
+    output says which."""
+    import replay_lcbench
+    from test_replay_lcbench import made_up
+
+    replay_lcbench.main(["--output", str(tmp_path), "--configurations", "20"], made_up,
+                        ["3945"])
+    monkeypatch.setattr(replay_lcbench, "onnx_surrogate", lambda data: made_up)
+    (tmp_path / "lcbench").mkdir()
+    (tmp_path / "lcbench" / "model.onnx").write_text("a stand-in")
+    paths = (str(tmp_path / "lcbench-3945.jsonl"),
+             str(REPO / "benchmarks" / "tables" / "demo.jsonl"))
+    lcbench, demo = replay.grounds(paths, str(replay.REAL), False, None, str(tmp_path))
+    assert lcbench.table.answer is not None and demo.table.answer is None
+    assert replay.grounds(paths, str(replay.REAL), False, None)[0].table.answer is None
+    out = tmp_path / "out.json"
+    replay.main(["--table", paths[0], "--surrogate", str(tmp_path), "--mode", "trials",
+                 "--budget", "6", "--repetitions", "2", "--policies", "random", "novice",
+                 "--output", str(out)])
+    result = json.loads(out.read_text())
+    assert result["answers"] == "the surrogate at the point"
+    finals = [max(v for _, v in result["repetitions_data"][0]["random"]["steps"])]
+    recorded = {r.values[-1] for r in lcbench.table.runs}
+    assert not set(finals) & recorded  # random points between the 20 recorded ones
+    for world in result["repetitions_data"]:  # every trial met a curve of its own
+        assert world["random"]["distinct"] == world["random"]["trials"] == 6
+    nearest = tmp_path / "nearest.json"
+    replay.main(["--table", paths[0], "--mode", "trials", "--budget", "40", "--repetitions",
+                 "1", "--policies", "random", "--output", str(nearest)])
+    met = json.loads(nearest.read_text())["repetitions_data"][0]["random"]
+    assert met["distinct"] <= 20 < met["trials"]  # 40 trials, 20 recorded runs
+
+
 def rendered_run(tmp_path) -> Path:
     out = tmp_path / "out.json"
     replay.main(["--budget", "4", "--workers", "1", "--repetitions", "3", "--table",

@@ -64,3 +64,17 @@ def test_the_tasks_are_the_34_of_the_surrogates_space(tmp_path):
     space = {"hyperparameters": [{"name": "OpenML_task_id", "choices": TASKS}]}
     (folder / "config_space.json").write_text(json.dumps(space))
     assert replay_lcbench.tasks_of(tmp_path) == TASKS
+
+
+def test_the_surrogates_answer_at_a_recorded_configuration_is_its_recorded_run(written):
+    """`replay.py --surrogate` answers each suggestion by the surrogate at that point: where
+    the table recorded one, the very run recorded (checked on the real surrogate too, 300
+    runs of 3 tasks: benchmarks/README.md), and elsewhere a curve of its own."""
+    table = written["7593"]
+    answer = replay_lcbench.answerer(made_up, "7593")
+    for run in table.runs[:5]:
+        assert answer(run.params) == run
+    moved = {**table.runs[0].params, "learning_rate": table.runs[0].params["learning_rate"] * 1.01}
+    assert answer(moved).values != table.runs[0].values
+    assert replay_lcbench.task_of("lcbench-7593") == "7593"
+    assert replay_lcbench.task_of("demo") is None

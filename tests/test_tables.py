@@ -79,6 +79,25 @@ def test_a_world_reads_one_seed_of_a_point_and_worlds_differ(tmp_path):
     assert table.curve(adam, 0).seconds == (2.0, 1e-3)
 
 
+def test_a_table_with_an_answer_reads_it_at_the_point_itself_not_the_nearest_run(tmp_path):
+    table = made(tmp_path)
+    asked = []
+
+    def answer(params):
+        asked.append(params)
+        return tables.Run(params, (1.0, 2.0), (params["lr"], 2 * params["lr"]))
+
+    table.answer = answer
+    point = tables.Point((("opt", "sgd"), ("lr", 3e-3), ("layers", 2)))
+    assert table.curve(point, 0).scores == (3e-3, 6e-3)  # not the run recorded at 1e-2
+    assert table.curve(point, 0).seconds == (1.0, 1.0)
+    table.curve(point, 0)
+    assert asked == [{"opt": "sgd", "lr": 3e-3, "layers": 2}]  # once a point and world
+    # A suggestion between two recorded points meets a value of its own.
+    other = tables.Point((("opt", "sgd"), ("lr", 4e-3), ("layers", 2)))
+    assert table.curve(other, 0).scores != table.curve(point, 0).scores
+
+
 def test_a_minimized_table_is_negated_for_the_policies(tmp_path):
     table = made(tmp_path, "minimize")
     point = tables.Point((("opt", "adam"), ("lr", 1e-3), ("layers", 5)))
