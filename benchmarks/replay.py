@@ -1296,9 +1296,10 @@ def merge(results: list[dict]) -> dict:
 def where(result: dict) -> str:
     """The tables of a result in a few words: "demo", or "lcbench (34 tables)"."""
     names = sorted({t["name"] for t in result["tables"]})
+    at = ", surrogate" if result.get("answers") == "the surrogate at the point" else ""
     if len(names) == 1:
-        return names[0]
-    return f"{os.path.commonprefix(names).rstrip('-_') or 'tables'} ({len(names)} tables)"
+        return names[0] + (f" ({at[2:]})" if at else "")
+    return f"{os.path.commonprefix(names).rstrip('-_') or 'tables'} ({len(names)} tables{at})"
 
 
 def span(bounds: list[float] | None, digits: int = 2) -> str:

@@ -684,6 +684,7 @@ def test_with_a_surrogate_lcbenchs_tables_answer_at_each_point_and_others_stay(t
                  "--output", str(out)])
     result = json.loads(out.read_text())
     assert result["answers"] == "the surrogate at the point"
+    assert replay.where(result) == "lcbench-3945 (surrogate)"
     finals = [max(v for _, v in result["repetitions_data"][0]["random"]["steps"])]
     recorded = {r.values[-1] for r in lcbench.table.runs}
     assert not set(finals) & recorded  # random points between the 20 recorded ones
