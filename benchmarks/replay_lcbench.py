@@ -132,6 +132,22 @@ def tasks_of(data: Path) -> list[str]:
                 if h["name"] == "OpenML_task_id")
 
 
+def check(evaluate: Evaluate, folder: Path, tasks: list[str], count: int) -> int:
+    """0 if the surrogate's answer at each of the first `count` runs of every task's table
+    is that run, to the digit; else 1, the runs that differ said."""
+    differ = checked = 0
+    for task in tasks:
+        table = tables.read(folder / f"lcbench-{task}.jsonl")
+        answer = answerer(evaluate, task)
+        for run in table.runs[:count]:
+            checked += 1
+            if answer(run.params) != run:
+                differ += 1
+                print(f"lcbench-{task}: the surrogate differs at {run.params}", file=sys.stderr)
+    print(f"{checked - differ} of {checked} recorded runs answered exactly by the surrogate")
+    return 1 if differ or not checked else 0
+
+
 def main(argv: list[str] | None = None, evaluate: Evaluate | None = None,
          tasks: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -139,6 +155,9 @@ def main(argv: list[str] | None = None, evaluate: Evaluate | None = None,
     parser.add_argument("--output", type=Path, required=True, help="a folder for the tables")
     parser.add_argument("--configurations", type=int, default=2000, help="per task")
     parser.add_argument("--tasks", nargs="*", help="only these tasks")
+    parser.add_argument("--check", type=int, metavar="N",
+                        help="write nothing: check that the surrogate at the first N runs "
+                        "of each table in --output gives those runs (replay.py --surrogate)")
     args = parser.parse_args(argv)
     if evaluate is None:
         if args.data is None or not (args.data / "lcbench" / "model.onnx").is_file():
@@ -147,6 +166,8 @@ def main(argv: list[str] | None = None, evaluate: Evaluate | None = None,
         evaluate = onnx_surrogate(args.data)
         tasks = tasks_of(args.data)
     chosen = args.tasks or tasks or []
+    if args.check is not None:
+        raise SystemExit(check(evaluate, args.output, chosen, args.check))
     args.output.mkdir(parents=True, exist_ok=True)
     for task in chosen:
         count = tables.write(args.output / f"lcbench-{task}.jsonl", f"lcbench-{task}",

@@ -78,3 +78,19 @@ def test_the_surrogates_answer_at_a_recorded_configuration_is_its_recorded_run(w
     assert answer(moved).values != table.runs[0].values
     assert replay_lcbench.task_of("lcbench-7593") == "7593"
     assert replay_lcbench.task_of("demo") is None
+
+
+def test_check_says_whether_the_surrogate_gives_the_recorded_runs(tmp_path, capsys):
+    replay_lcbench.main(["--output", str(tmp_path), "--configurations", "6"], made_up, TASKS)
+    with pytest.raises(SystemExit) as ended:
+        replay_lcbench.main(["--output", str(tmp_path), "--check", "4"], made_up, TASKS)
+    assert ended.value.code == 0
+    assert "8 of 8 recorded runs answered exactly" in capsys.readouterr().out
+
+    def drifted(task, configs):
+        return [{**row, "val_accuracy": row["val_accuracy"] + 0.01}
+                for row in made_up(task, configs)]
+
+    with pytest.raises(SystemExit) as ended:
+        replay_lcbench.main(["--output", str(tmp_path), "--check", "4"], drifted, TASKS)
+    assert ended.value.code == 1 and "differs at" in capsys.readouterr().err
