@@ -109,13 +109,12 @@ def test_pause_auto_without_a_store_pauses_and_trains_a_promoted_trial_again(
     assert trained <= 16  # 4 trainings of 4 epochs, what was trained twice included
 
 
-def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one(
-        tmp_path, tiny_model, tiny_model_b, small_data, pg_url):
-    artifacts = tmp_path / "artifacts"
-    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data,
-                               artifacts=str(artifacts))
+def killed_at_resume_then_finished(study_file: Path, pg_url: str
+                                   ) -> tuple[FrozenTrial, list[FrozenTrial]]:
+    """A worker alone runs until it resumes its first paused trial and dies there; two
+    workers then finish the study. The killed run's trial as the dead worker left it, and
+    the study's trials at the end."""
     env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
-    # Alone, the victim runs until it resumes its first paused trial, and dies there.
     victim = start_worker(study_file, pg_url, 8, env={**env, "HPO_FAULT_KILL_AT": "resume"})
     assert victim.wait(timeout=600) == -9, victim.stderr.read()[-2000:]
     storage = optuna.storages.RDBStorage(pg_url)
@@ -123,18 +122,26 @@ def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one
         study = optuna.load_study(study_name="tiny", storage=storage)
         killed = [t for t in study.trials if t.user_attrs.get(pausing.RESUMES)]
         assert len(killed) == 1 and killed[0].state == TrialState.RUNNING
-        number = killed[0].number
-        assert not pausing.is_paused(killed[0])  # claimed, and then its worker died
-        # Two workers finish the study: one of them takes the dead run's trial back to
-        # paused at its checkpoint, and one resumes it from there.
         workers = [start_worker(study_file, pg_url, 8, env=env) for _ in range(2)]
         for process in workers:
             assert process.wait(timeout=600) == 0, process.stderr.read()[-2000:]
         trials = optuna.load_study(study_name="tiny", storage=storage).trials
     finally:
         storage.engine.dispose()
+    return killed[0], trials
+
+
+def test_a_worker_killed_while_it_resumes_a_trial_loses_its_checkpoint_to_no_one(
+        tmp_path, tiny_model, tiny_model_b, small_data, pg_url):
+    artifacts = tmp_path / "artifacts"
+    study_file = pausing_study(tmp_path, [tiny_model, tiny_model_b], small_data,
+                               artifacts=str(artifacts))
+    # Of the two workers that finish the study, one takes the dead run's trial back to
+    # paused at its checkpoint, and one resumes it from there.
+    killed, trials = killed_at_resume_then_finished(study_file, pg_url)
+    assert not pausing.is_paused(killed)  # claimed, and then its worker died
     assert_ended_cleanly(trials, 8, artifacts)
-    again = trials[number]
+    again = trials[killed.number]
     resumes = again.user_attrs[pausing.RESUMES]
     # Resumed twice from the checkpoint it paused at: no retry copy, no epoch of it retrained
     # before that checkpoint.
@@ -151,24 +158,11 @@ def test_a_worker_killed_while_it_trains_a_promoted_trial_again_leaves_it_paused
     config = yaml.safe_load(study_file.read_text())
     config["study"]["pruner"]["max_checkpoints"] = 0
     study_file.write_text(yaml.safe_dump(config))
-    env = {"HPO_HEARTBEAT_INTERVAL": "1", "HPO_GRACE_PERIOD": "4"}
-    victim = start_worker(study_file, pg_url, 8, env={**env, "HPO_FAULT_KILL_AT": "resume"})
-    assert victim.wait(timeout=600) == -9, victim.stderr.read()[-2000:]
-    storage = optuna.storages.RDBStorage(pg_url)
-    try:
-        study = optuna.load_study(study_name="tiny", storage=storage)
-        killed = [t for t in study.trials if t.user_attrs.get(pausing.RESUMES)]
-        assert len(killed) == 1 and killed[0].state == TrialState.RUNNING
-        number, paused_at = killed[0].number, killed[0].user_attrs[pausing.PAUSES][0]
-        assert killed[0].user_attrs[pausing.RETRAINED] == paused_at  # charged at the claim
-        workers = [start_worker(study_file, pg_url, 8, env=env) for _ in range(2)]
-        for process in workers:
-            assert process.wait(timeout=600) == 0, process.stderr.read()[-2000:]
-        trials = optuna.load_study(study_name="tiny", storage=storage).trials
-    finally:
-        storage.engine.dispose()
+    killed, trials = killed_at_resume_then_finished(study_file, pg_url)
+    paused_at = killed.user_attrs[pausing.PAUSES][0]
+    assert killed.user_attrs[pausing.RETRAINED] == paused_at  # charged at the claim
     assert_ended_cleanly(trials, 8, tmp_path / "nowhere")
-    again = trials[number]
+    again = trials[killed.number]
     resumes = again.user_attrs[pausing.RESUMES]
     assert len(resumes) >= 2 and resumes[0] == resumes[1] == paused_at
     # Each claim charged what it would train again, the dead run's included.
