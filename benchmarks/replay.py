@@ -924,6 +924,10 @@ def hpo_search(config: config_module.StudyConfig, ground: Ground, seed: int, nam
     return promoting(policy, config, name, eager=True) if config.study.pruner.pause else policy
 
 
+# Optuna's own rule, hpo's before issue 63: a stopped trial ends, `--n-trials N` counts trials.
+OPTUNA_COUNT = ("study.pruner.pause=false", "study.budget=trials")
+
+
 def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
     """hpo configured exactly as the expert's glue: Optuna 5's TPE defaults with the study's
     start-up trials, the median pruner (4 start-up trials, 1 warm-up epoch), the best epoch
@@ -933,7 +937,7 @@ def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
         "study.sampler.constant_liar=true", "study.sampler.group=false",
         "study.pruner.name=median", f"study.pruner.n_startup_trials={MEDIAN_STARTUP}",
         f"study.pruner.n_warmup_steps={MEDIAN_WARMUP}", "study.objective_epoch=best",
-        "study.enqueue=[]")
+        "study.enqueue=[]", *OPTUNA_COUNT)
 
 
 def policies(names: list[str], ground: Ground, seed: int,
@@ -1032,11 +1036,13 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
                                              costs_of="expert", report_value=last), False),
         "ray": lambda: ray("ray", 4),
         "ray-rf2": lambda: ray("ray-rf2", 2),
+        # The peers a user builds in Optuna count trials, as Optuna's `n_trials` does.
         "random": lambda: ours(with_overrides(study, "study.sampler.name=random",
-                                              "study.pruner.name=none"), "random"),
+                                              "study.pruner.name=none", *OPTUNA_COUNT),
+                               "random"),
         "tpe-hyperband": lambda: ours(with_overrides(
-            study, "study.pruner.name=hyperband", "study.pruner.min_resource=1"),
-            "tpe-hyperband"),
+            study, "study.pruner.name=hyperband", "study.pruner.min_resource=1",
+            *OPTUNA_COUNT), "tpe-hyperband"),
         # A user's Syne Tune script trains with the expert's Trainer set-up: its costs.
         **{name: functools.partial(
             lambda name: (SynePolicy(name, space, of["expert"], seed, epochs, method=name,
@@ -1045,15 +1051,18 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
                                      gap=facts.gaps.get("expert", 0.0)), False), name)
            for name in ("bohb", "asha-promotion", "bohb-promotion")},
     }
-    build["hpo-promotion"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-promotion"),
-                                                study, "hpo-promotion"), ground.demo)
-    build["hpo-pause"] = lambda: (promoting(hpo_policy(study, ground, seed, "hpo-pause"),
-                                            study, "hpo-pause", eager=True), ground.demo)
+    # Issue 63's replay-only candidates, as measured: on a budget of trials.
+    counted = with_overrides(study, *OPTUNA_COUNT)
+    build["hpo-promotion"] = lambda: (promoting(
+        hpo_policy(counted, ground, seed, "hpo-promotion"), counted, "hpo-promotion"),
+        ground.demo)
+    build["hpo-pause"] = lambda: (promoting(hpo_policy(counted, ground, seed, "hpo-pause"),
+                                            counted, "hpo-pause", eager=True), ground.demo)
     build["hpo-pause-free"] = lambda: (dataclasses.replace(promoting(
-        hpo_policy(study, ground, seed, "hpo-pause-free"), study, "hpo-pause-free",
+        hpo_policy(counted, ground, seed, "hpo-pause-free"), counted, "hpo-pause-free",
         eager=True), frees_slot=True), ground.demo)
     build["hpo-pause-pruned"] = lambda: (promoting(
-        hpo_policy(study, ground, seed, "hpo-pause-pruned"), study, "hpo-pause-pruned",
+        hpo_policy(counted, ground, seed, "hpo-pause-pruned"), counted, "hpo-pause-pruned",
         eager=True, tell_paused=True), ground.demo)
     if ground.demo:
         build["prior"] = lambda: ours(with_overrides(study, enqueue), "prior")
@@ -1293,6 +1302,43 @@ def merge(results: list[dict]) -> dict:
             **figures(reps, first["policies"])}
 
 
+def join(results: list[dict], renames: dict[str, str]) -> dict:
+    """One output from runs of the same worlds with different policies (a slow peer run
+    apart, a candidate run beside another run's peers): each world's policies together, a
+    policy in two outputs only where both searched alike, each world's best and end over
+    all of them. `renames` relabels policies at once (`new=hpo hpo=hpo-stop`: a candidate
+    becomes the subject of the figures)."""
+    first = results[0]
+    for other in results[1:]:
+        differs = [key for key in SAME if key != "policies" and other.get(key) != first.get(key)]
+        if differs:
+            raise SystemExit(f"cannot join: the outputs differ in {differs[0]}")
+    by_seed = [{w["world"]["seed"]: w for w in r["repetitions_data"]} for r in results]
+    if any(set(worlds) != set(by_seed[0]) for worlds in by_seed):
+        raise SystemExit("cannot join: the outputs hold different worlds")
+    names = list(dict.fromkeys(renames.get(n, n) for r in results for n in r["policies"]))
+    if len(names) != len({n for r in results for n in r["policies"]}):
+        raise SystemExit("cannot join: two policies would share a name")
+    reps = []
+    for seed in sorted(by_seed[0]):
+        worlds = [found[seed] for found in by_seed]
+        ends = [w["world"] for w in worlds]
+        if any((e["table"], e["baseline"]) != (ends[0]["table"], ends[0]["baseline"])
+               for e in ends):
+            raise SystemExit(f"cannot join: world {seed} is not the same world in each output")
+        rep: dict[str, Any] = {}
+        for name, got in ((n, v) for w in worlds for n, v in w.items() if n != "world"):
+            if rep.setdefault(name, got) != got:
+                raise SystemExit(f"cannot join: {name} searched otherwise in world {seed}")
+        rep = {renames.get(n, n): v for n, v in rep.items()}
+        # In compute mode every end is the horizon; in trials mode the last wall of all.
+        rep["world"] = {**ends[0], "horizon": max(e["horizon"] for e in ends),
+                        "best": max(e["best"] for e in ends)}
+        reps.append(rep)
+    return {**first, "policies": names, "joined": {"outputs": len(results), "renames": renames},
+            "machines": sorted({r["machine"] for r in results}), **figures(reps, names)}
+
+
 def where(result: dict) -> str:
     """The tables of a result in a few words: "demo", or "lcbench (34 tables)"."""
     names = sorted({t["name"] for t in result["tables"]})
@@ -1442,6 +1488,11 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--merge", type=Path, nargs="+", metavar="OUTPUT.json",
                        help="write to --output these outputs' worlds as one (chunks of one "
                        "setting, disjoint seeds)")
+    found.add_argument("--join", type=Path, nargs="+", metavar="OUTPUT.json",
+                       help="write to --output these outputs' policies as one (runs of the "
+                       "same worlds, different policies)")
+    found.add_argument("--rename", nargs="+", default=[], metavar="OLD=NEW",
+                       help="with --join: relabel policies (new=hpo hpo=hpo-stop)")
     found.add_argument("--render", type=Path, nargs="+",
                        help="write the table of these outputs (and --plot) instead")
     found.add_argument("--plot", type=Path)
@@ -1464,6 +1515,15 @@ def main(argv: list[str] | None = None) -> None:
         merged = merge([json.loads(p.read_text()) for p in args.merge])
         args.output.write_text(json.dumps(merged, separators=(",", ":")))
         print(f"{merged['repetitions']} worlds from {len(args.merge)} outputs in {args.output}")
+        return
+    if args.join:
+        renames = dict(item.split("=", 1) for item in args.rename if "=" in item)
+        if args.output is None or len(renames) != len(args.rename):
+            parser().error("--join needs --output, and --rename OLD=NEW pairs")
+        joined = join([json.loads(p.read_text()) for p in args.join], renames)
+        args.output.write_text(json.dumps(joined, separators=(",", ":")))
+        print(f"{len(joined['policies'])} policies from {len(args.join)} outputs in "
+              f"{args.output}")
         return
     if min(args.budget, args.workers, args.repetitions, args.jobs) < 1:
         parser().error("--budget, --workers, --repetitions and --jobs must be at least 1")

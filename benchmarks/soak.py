@@ -14,7 +14,9 @@ a random moment (some restarts also die at a named point: claiming, before the f
 heartbeat, in training, while telling). Readers poll `hpo status`, optuna-dashboard's API and
 the study itself. Then the fleet finishes its budget of `--trials` and the soak checks:
 
-- exactly the budget finished, nothing RUNNING or WAITING, never more finished than the budget;
+- the budget kept exactly and never overrun, as the study counts it: by default
+  (`study.budget: trainings`) between N - 1 and N full trainings trained, under
+  `study.budget: trials` N trials finished; nothing RUNNING or WAITING;
 - every result a worker printed is stored with that value;
 - FAIL at most the number of workers killed or stopped; no worker exit 1 (or 2);
 - each worker process's memory flat (`worker_rss_mb` from its 5th trial to its last, at most
@@ -50,7 +52,9 @@ import optuna
 from optuna.trial import TrialState
 from postgres import PrivateServer  # the tests' disposable server, beside this script
 
+from hpo import study_files
 from hpo.app.launcher import exit_code
+from hpo.search import budget as budget_module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,6 +73,33 @@ RSS_GROWTH_MIB = 60.0
 READER_SLACK = 20.0  # seconds after the database is back before a reader must answer
 
 
+@dataclass(frozen=True)
+class Budget:
+    """The study's budget as its workers keep it: `n` trials finished, or (`steps` set, the
+    default `study.budget: trainings`) `n` full trainings of `steps` reported steps."""
+
+    n: int
+    steps: int | None
+
+    @classmethod
+    def of_study(cls, n: int, overrides: list[str]) -> Budget:
+        config = study_files.load(study_files.study_path(STUDY), overrides)
+        return cls(n, config.max_steps() if config.study.budget == "trainings" else None)
+
+    def used(self, trials: list[optuna.trial.FrozenTrial]) -> float:
+        if self.steps is None:
+            return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+        return budget_module.Trainings(self.n, self.steps).spent(budget_module.trained_of(trials))
+
+    def kept(self, used: float) -> bool:
+        """Spent exactly: N trials, or N trainings short of less than one (a whole training
+        no longer fits, so none starts)."""
+        return used == self.n if self.steps is None else self.n - 1 < used <= self.n + 1e-9
+
+    def unit(self) -> str:
+        return "trials finished" if self.steps is None else "trainings trained"
+
+
 @dataclass
 class Events:
     """What happened, shared by the threads: outages (start, end), signals sent, reader
@@ -78,7 +109,7 @@ class Events:
     signals: Counter = field(default_factory=Counter)
     reads: Counter = field(default_factory=Counter)
     read_failures: list[str] = field(default_factory=list)
-    most_finished: int = 0
+    most_used: float = 0.0  # of the budget: trials finished, or trainings trained
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def database_settled(self, since: float, until: float) -> bool:
@@ -164,7 +195,7 @@ def chaos(server: PrivateServer, workers: list[Worker], events: Events, rng: ran
     chaos_on.clear()
 
 
-def readers(url: str, dashboard_port: int, study_file_args: list[str], budget: int,
+def readers(url: str, dashboard_port: int, study_file_args: list[str], budget: Budget,
             events: Events, done: threading.Event) -> None:
     """Poll what a user and a dashboard read, every few seconds, until `done`."""
     turn = 0
@@ -197,14 +228,13 @@ def readers(url: str, dashboard_port: int, study_file_args: list[str], budget: i
         storage[0].engine.dispose()
 
 
-def _read_study(storage: optuna.storages.RDBStorage, budget: int, events: Events) -> None:
+def _read_study(storage: optuna.storages.RDBStorage, budget: Budget, events: Events) -> None:
     study = optuna.load_study(study_name=STUDY, storage=storage)
-    states = Counter(t.state for t in study.get_trials(deepcopy=False))
-    finished = states[TrialState.COMPLETE] + states[TrialState.PRUNED]
+    used = budget.used(study.get_trials(deepcopy=False))
     with events.lock:
-        events.most_finished = max(events.most_finished, finished)
-    if finished > budget:
-        raise AssertionError(f"{finished} finished trials, over the budget of {budget}")
+        events.most_used = max(events.most_used, used)
+    if used > budget.n + 1e-9:
+        raise AssertionError(f"{used:g} {budget.unit()}, over the budget of {budget.n}")
 
 
 def _read_dashboard(port: int) -> None:
@@ -228,7 +258,7 @@ def _read_status(args: list[str]) -> None:
 
 
 def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
-          budget: int) -> list[tuple[str, bool, str]]:
+          budget: Budget) -> list[tuple[str, bool, str]]:
     """Each check: (what, passed, the figures)."""
     from hpo.search import artifacts as artifacts_module
 
@@ -238,6 +268,7 @@ def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
     trials = {t.number: t for t in study.trials}
     states = Counter(t.state.name for t in trials.values())
     finished = states["COMPLETE"] + states["PRUNED"]
+    used = budget.used(list(trials.values()))
     printed = [(int(n), float(v)) for _, _, out in runs
                for n, v in re.findall(r"^trial (\d+) value ([\d.]+)", out.read_text(),
                                       re.MULTILINE)]
@@ -272,10 +303,11 @@ def check(url: str, artifacts: Path, workers: list[Worker], events: Events,
     stray = [p.name for p in artifacts.iterdir() if p.name not in listed]
     worst = max(growth.values(), default=0.0)
     return [
-        ("budget exact", finished == budget, f"{finished} finished for a budget of {budget} "
-         f"({states['COMPLETE']} COMPLETE, {states['PRUNED']} PRUNED)"),
-        ("never over the budget", events.most_finished <= budget,
-         f"most finished seen by the readers {events.most_finished}"),
+        ("budget exact", budget.kept(used), f"{used:g} {budget.unit()} for a budget of "
+         f"{budget.n} ({finished} finished: {states['COMPLETE']} COMPLETE, "
+         f"{states['PRUNED']} PRUNED)"),
+        ("never over the budget", events.most_used <= budget.n + 1e-9,
+         f"most seen by the readers {events.most_used:g} {budget.unit()}"),
         ("nothing RUNNING or WAITING", states["RUNNING"] + states["WAITING"] == 0,
          f"{states['RUNNING']} RUNNING, {states['WAITING']} WAITING"),
         ("every printed result stored", not wrong,
@@ -306,10 +338,12 @@ def main() -> int:
                         help="the study's budget (default: 10 per minute)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    budget = args.trials or max(20, round(10 * args.minutes))
+    budget = Budget.of_study(args.trials or max(20, round(10 * args.minutes)),
+                             list(SETTINGS[1::2]))
     rng = random.Random(args.seed)
     started = time.monotonic()
-    print(f"soak: {args.workers} workers, {args.minutes:g} min of faults, budget {budget}, "
+    print(f"soak: {args.workers} workers, {args.minutes:g} min of faults, budget {budget.n} "
+          f"{'trials' if budget.steps is None else 'trainings'}, "
           f"seed {args.seed}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hpo-soak-") as scratch:
         root = Path(scratch)
@@ -324,7 +358,7 @@ def main() -> int:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HPO_ARTIFACTS": str(artifacts),
                "HPO_STORAGE_WAIT": "120", **LIVENESS}
         command = [sys.executable, "-m", "hpo.cli", "run", *study_args,
-                   "--n-trials", str(budget), *SETTINGS]
+                   "--n-trials", str(budget.n), *SETTINGS]
         events, done, chaos_on = Events(), threading.Event(), threading.Event()
         chaos_on.set()
         port = free_port()

@@ -122,7 +122,19 @@ def test_pause_auto_pauses_where_a_store_holds_the_checkpoints_else_stops(tmp_pa
     assert with_pause_decided(median, sqlite)[0].study.pruner.pause is False
     assert with_pause_decided(median, sqlite)[1] is None
     # true and false stay as the file says them.
-    assert with_pause_decided(load(path, auto[:2]), sqlite) == (load(path, auto[:2]), None)
+    stopping = [*auto[:2], "study.pruner.pause=false"]
+    assert with_pause_decided(load(path, stopping), sqlite) == (load(path, stopping), None)
+
+
+def test_by_default_a_rung_pauses_and_n_counts_full_trainings(tmp_path):
+    # Issue 63: the default search; a file that says nothing gets it, and the old rule
+    # (Optuna's: stop for good, count trials) is two settings away.
+    path = write_study(tmp_path, study_dict(["m"], tmp_path))
+    study = load(path, []).study
+    assert (study.pruner.pause, study.budget, study.pruner.max_checkpoints) == (
+        "auto", "trainings", 8)
+    old = load(path, ["study.pruner.pause=false", "study.budget=trials"]).study
+    assert (old.pruner.pause, old.budget) == (False, "trials")
 
 
 def test_max_checkpoints_is_a_count_or_null(tmp_path):

@@ -273,13 +273,15 @@ class PrunerConfig(_Section):
     that reported there (at least 5), is at least this. Until then trials pass it unchecked.
     null: no such check (Optuna's rule)."""
 
-    pause: bool | Literal["auto"] = False
+    pause: bool | Literal["auto"] = "auto"
     """successive_halving: a trial its rung would stop pauses instead (its checkpoint kept in
     the artifact store) and resumes, on any worker, once enough later trials rank below it
     (asynchronous successive halving's promotion form); what is still paused when the budget
     is spent ends pruned. false: stopped for good (Optuna's rule). Not under cv_folds.
-    `auto`: pause where the study has an artifact store (`study.artifacts`, or the directory
-    beside a SQLite file) and is not cross-validated, else stop (the worker says which)."""
+    `auto` (the default): pause where a rung can (successive_halving, not cross-validated),
+    keeping checkpoints where the study has an artifact store (`study.artifacts`, or the
+    directory beside a SQLite file) and none where it has not; else stop (the worker says
+    which)."""
     max_checkpoints: Annotated[int, Field(ge=0)] | None = 8
     """pause: at most this many paused trials keep a checkpoint in the store (the model's
     weights and AdamW's state: about 3 x 4 bytes a parameter). Past it, the paused trial
@@ -325,13 +327,13 @@ class StudySection(_Section):
     objective_epoch: Literal["best", "last"] = "best"
     """A trial's value: its best epoch's score (the epoch is recorded as `value_epoch`) or
     its last epoch's."""
-    budget: Literal["trials", "trainings"] = "trials"
+    budget: Literal["trials", "trainings"] = "trainings"
     """What `--n-trials N` counts. `trials` (Optuna's): N trials finished or running.
-    `trainings`: the compute of N full trainings, N x the steps a trial reports (its epochs
-    x `training.evaluations_per_epoch`); a trial starts, or a paused one resumes, only while
-    all it may train still fits beside what the study trained and what its running trials
-    may still train. A pruned or paused trial gives back what it did not train, so more
-    trials run, and the study never trains more than N trainings."""
+    `trainings` (the default): the compute of N full trainings, N x the steps a trial
+    reports (its epochs x `training.evaluations_per_epoch`); a trial starts, or a paused one
+    resumes, only while all it may train still fits beside what the study trained and what
+    its running trials may still train. A pruned or paused trial gives back what it did not
+    train, so more trials run, and the study never trains more than N trainings."""
     max_consecutive_failures: Annotated[int, Field(ge=1)] = 3
     """A worker stops (exit 1) after this many FAILed trials in a row instead of burning
     the budget."""

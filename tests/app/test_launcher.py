@@ -273,8 +273,10 @@ def test_a_signal_reaches_every_worker_once_and_none_is_restarted(tmp_path, sign
     assert marks.read_text().split() == ["waits", "waits"]
 
 
-# Real workers: the demo study, on its tiny BERT alone so that trials take seconds.
-TINY_DEMO = ("--set", "search_space.model_name=[data/demo/models/tiny-bert]")
+# Real workers: the demo study, on its tiny BERT alone so that trials take seconds, its
+# trials counted (`study.budget: trials`) so that a study ends with exactly `n` of them.
+TINY_DEMO = ("--set", "search_space.model_name=[data/demo/models/tiny-bert]",
+             "--set", "study.budget=trials")
 
 
 def start_launcher(storage: str, n: int, *extra: str, env: dict | None = None):

@@ -23,6 +23,9 @@ def pausing_study(tmp_path: Path, models: list[Path], data: Path, **study: objec
     config["search_space"]["learning_rate"] = {"low": 1.0e-3, "high": 3.0e-2, "log": True}
     config["study"]["pruner"] = {"name": "successive_halving", "min_resource": 1,
                                  "reduction_factor": 2, "pause": True}
+    # A budget of trials (not the default trainings) holds each study to exactly `n`
+    # trials, which the checks below count; the tests of trainings say so.
+    config["study"]["budget"] = "trials"
     config["study"].update(study)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -240,14 +240,16 @@ def test_a_run_says_the_study_first_and_what_to_run_next(tiny_study, tmp_path, c
     assert main(["run", "--config", str(tiny_study), "--storage", storage,
                  "--n-trials", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"study 'tiny' on {storage}: 0/2 trials finished; device cpu")
+    # The default budget (study.budget: trainings) counts full trainings.
+    assert lines[0].startswith(f"study 'tiny' on {storage}: 0 trials finished, a budget of 2 "
+                               f"full trainings; device cpu")
     assert "precisions: fp32" in lines[1]  # as users name it, not fp_precision's "none"
     out = "\n".join(lines)
     assert "none" not in out.replace("peft=none", "")
-    assert "  1/2 trials finished, about " in out and " left" in out
-    assert "  2/2 trials finished" in out
-    assert ("this worker ran 2 trials; the study has 2 of 2 finished: 2.0 full trainings' "
-            "worth of epochs") in out
+    assert "  1 trial finished, 1.0/2 trainings trained, about " in out and " left" in out
+    assert "  2 trials finished, 2.0/2 trainings trained" in out
+    assert ("this worker ran 2 trials; the study has 2 finished: 2.0 of 2 full trainings' "
+            "worth of epochs (study.budget: trainings)") in out
     assert f"the study is in {storage}" in out
     assert lines[-1].startswith(f"next: hpo final --config {tiny_study}")
 
@@ -306,12 +308,16 @@ def test_killed_worker_trial_is_failed_and_retried_by_a_waiting_worker(tiny_stud
     # Training settings are the worker's own (only the search space is pinned): the victim's
     # trial never ends by itself, the survivor's trials are quick. The survivor's first trial
     # may start and end between two polls, so the wait is for its claim, not for it running.
-    victim = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=100000", env=env)
+    # Trials counted: under a budget of trainings the victim's endless trial would hold it.
+    counted = ("--set", "study.budget=trials")
+    victim = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=100000", *counted,
+                          env=env)
     survivor = None
     try:
         wait_for(lambda: claimed() == 1 or victim.poll() is not None)
         assert victim.poll() is None, victim.stderr.read()[-2000:]
-        survivor = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=5", env=env)
+        survivor = start_worker(tiny_study, pg_url, 2, "--set", "training.epochs=5", *counted,
+                                env=env)
         wait_for(lambda: claimed() == 2 or survivor.poll() is not None)
         assert victim.poll() is None, victim.stderr.read()[-2000:]
         victim.send_signal(signal.SIGKILL)

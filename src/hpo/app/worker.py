@@ -265,12 +265,12 @@ class Pace:
 
     def progress(self, finished: int, n_trials: float, spent: float | None = None) -> str:
         if math.isinf(n_trials):
-            return f"  {finished} trials finished"
+            return f"  {console.plural(finished, 'trial')} finished"
         if spent is None:
             text, at = f"  {finished}/{n_trials:g} trials finished", float(finished)
         else:
-            text, at = (f"  {finished} trials finished, {spent:.1f}/{n_trials:g} trainings "
-                        f"trained", spent)
+            text, at = (f"  {console.plural(finished, 'trial')} finished, {spent:.1f}/"
+                        f"{n_trials:g} trainings trained", spent)
         done = at - self.first
         left = n_trials - at
         if done <= 0 or left <= 0:

@@ -148,7 +148,8 @@ def checkpoint_store(config: StudyConfig, storage_url: str) -> ArtifactStore | N
     """Where a study that pauses trials (`study.pruner.pause`) keeps their checkpoints: its
     artifact store, which every worker that may resume them must reach. None where it does
     not pause or keeps no checkpoints (`max_checkpoints: 0`); bad input where it has no
-    store."""
+    store. `auto` is decided here as `with_pause_decided` decides it."""
+    config, _ = with_pause_decided(config, storage_url)
     if not config.study.pruner.pause or config.study.pruner.max_checkpoints == 0:
         return None
     where = location(config.study.artifacts, storage_url)
