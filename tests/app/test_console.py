@@ -28,3 +28,21 @@ def test_an_interrupted_trial_clears_its_progress_bar_and_shows_the_cursor_again
     assert shown.rstrip().endswith("trial 4 failed (interrupted by Ctrl-C) and re-queued")
     display.interrupted("nothing running")  # no bar: just the line
     assert screen.getvalue().rstrip().endswith("nothing running")
+
+
+def test_a_paused_trial_shows_the_seconds_its_epochs_took():
+    import optuna
+    from optuna.trial import TrialState
+
+    from hpo.outcome import Outcome
+
+    screen = io.StringIO()
+    display = ConsoleDisplay(Console(file=screen, width=300, highlight=False))
+    trial = optuna.trial.create_trial(
+        state=TrialState.RUNNING, params={"learning_rate": 3e-5},
+        distributions={"learning_rate": optuna.distributions.FloatDistribution(1e-5, 1e-3)},
+        user_attrs={"epoch_seconds": [12.25, 0.5], "physical_batch_size": 8,
+                    "grad_accum_steps": 1})
+    display.trial_finished(trial, Outcome(TrialState.RUNNING, paused_at=2))
+    assert "paused at step 2" in screen.getvalue()
+    assert screen.getvalue().rstrip().endswith("batch 8x1 12.8s")

@@ -138,6 +138,8 @@ class ConsoleDisplay:
         if "physical_batch_size" in attrs:
             batch = f" batch {attrs['physical_batch_size']}x{attrs['grad_accum_steps']}"
         seconds = attrs.get("trial_seconds", 0.0)
+        if outcome.paused_at is not None:  # not ended, so no `trial_seconds`: its epochs'
+            seconds = sum(attrs.get("epoch_seconds", ()))
         kept = (f" (the run of trial {outcome.kept_from}, reaped while it ran)"
                 if outcome.kept_from is not None else "")
         self.console.print(
