@@ -333,7 +333,9 @@ class StudySection(_Section):
     reports (its epochs x `training.evaluations_per_epoch`); a trial starts, or a paused one
     resumes, only while all it may train still fits beside what the study trained and what
     its running trials may still train. A pruned or paused trial gives back what it did not
-    train, so more trials run, and the study never trains more than N trainings."""
+    train, so more trials run, and the study never trains more than N trainings. Fixed in
+    the study by its first worker (a study of an earlier release counts trials unless its
+    file says trainings); a worker whose file counts otherwise is refused."""
     max_consecutive_failures: Annotated[int, Field(ge=1)] = 3
     """A worker stops (exit 1) after this many FAILed trials in a row instead of burning
     the budget."""

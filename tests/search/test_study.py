@@ -148,6 +148,48 @@ def test_heartbeat_settings_are_fixed_in_the_study_when_it_is_created(tiny_study
                                             "max_retry": 1}
 
 
+def test_what_n_trials_counts_is_fixed_in_the_study_by_its_first_worker(tiny_study, tmp_path):
+    from conftest import CPU_AVX2
+
+    from hpo.errors import ConfigError
+
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    counted = load(tiny_study, ["study.budget=trials"])
+    study, _ = join(counted, open_storage(url), CPU_AVX2)
+    assert study.user_attrs["budget"] == "trials"
+    join(load(tiny_study, ["study.budget=trials"]), open_storage(url), CPU_AVX2)
+    with pytest.raises(ConfigError, match=r"^study.budget: study 'tiny' counts trials \(fixed "
+                       r"when its first worker joined\), this file trainings: set "
+                       r"study.budget: trials$"):
+        join(load(tiny_study, []), open_storage(url), CPU_AVX2)
+    join(load(tiny_study, []), open_storage(url), None)  # `hpo create`, `final`: no count
+
+
+def test_a_study_an_earlier_release_made_goes_on_counting_trials(tiny_study, tmp_path, capsys):
+    from conftest import CPU_AVX2
+
+    from hpo.errors import ConfigError
+
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    for name in ("older", "older-trainings"):
+        old = optuna.create_study(study_name=name, storage=url, direction="maximize")
+        old.add_trial(optuna.trial.create_trial(value=0.5))  # no record of its count
+    with pytest.raises(ConfigError, match="counts trials .* set study.budget: trials$"):
+        join(load(tiny_study, ["study.name=older"]), open_storage(url), CPU_AVX2)
+    join(load(tiny_study, ["study.name=older", "study.budget=trials"]), open_storage(url),
+         CPU_AVX2)
+    # A file that said trainings counted them then too.
+    study, _ = join(load(tiny_study, ["study.name=older-trainings", "study.budget=trainings"]),
+                    open_storage(url), CPU_AVX2)
+    assert study.user_attrs["budget"] == "trainings"
+    # As `hpo run` says it: one line, exit code 2.
+    assert main(["run", "--config", str(tiny_study), "--storage", url, "--n-trials", "1",
+                 "--set", "study.name=older", "--skip-check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hpo: error: study.budget: study 'older' counts trials (fixed when its "
+                   "first worker joined), this file trainings: set study.budget: trials"]
+
+
 def test_a_worker_on_another_data_split_is_refused(one_model_study, tmp_path, capsys):
     storage = f"sqlite:///{tmp_path / 'hpo.db'}"
     assert main(["create", "--config", str(one_model_study), "--storage", storage,

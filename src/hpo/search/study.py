@@ -162,6 +162,8 @@ def join(
         )
         release.record(study)
         pin_liveness(study, storage, config)
+        if device is not None:  # a worker: it counts the budget
+            pin_budget(study, config)
         if splits is not None:
             pin_splits(study, splits)
         pinned = pin(study, config.search_space, device)
@@ -249,6 +251,28 @@ def splits_recorded(study: optuna.Study, splits: Splits) -> bool:
                 f"{mine[name]['posts']} posts, digest {mine[name]['sha256']}): use the same "
                 f"data.dir, split_seed and fractions as the study's workers")
     return True
+
+
+BUDGET = "budget"
+
+
+def pin_budget(study: optuna.Study, config: StudyConfig) -> None:
+    """What `--n-trials` counts (`study.budget`), fixed in the study by its first worker, so
+    that every worker counts one budget. A study with trials but no record was made by a
+    release before hpo counted full trainings by default: unless the file sets
+    `study.budget`, it counted trials, and goes on so. A worker whose file counts otherwise
+    is refused in one line (a budget counted two ways is kept by neither)."""
+    section = config.study
+    pinned = study.user_attrs.get(BUDGET)
+    if pinned is None:
+        older = bool(study.get_trials(deepcopy=False))
+        pinned = ("trials" if older and "budget" not in section.model_fields_set
+                  else section.budget)
+        study.set_user_attr(BUDGET, pinned)
+    if pinned != section.budget:
+        raise ConfigError(
+            f"study.budget: study '{study.study_name}' counts {pinned} (fixed when its first "
+            f"worker joined), this file {section.budget}: set study.budget: {pinned}")
 
 
 LIVENESS = "liveness"
