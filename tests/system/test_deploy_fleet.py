@@ -27,6 +27,8 @@ from optuna.trial import TrialState
 from postgres import study_trials
 from test_deploy import dockerfile_base_default
 
+from hpo.search import budget
+
 pytestmark = pytest.mark.slow
 
 STUDY = "demo"
@@ -202,7 +204,11 @@ def test_the_fleet_runs_the_study_to_its_budget_through_a_stop_and_a_kill(fleet,
     assert state["ExitCode"] == 0, fleet.compose("logs", "--tail", "40", "worker-0").stdout
     trials = fleet.trials()
     finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len(finished) == BUDGET
+    # The default budget: BUDGET full trainings of 4 epochs, short by less than one; the
+    # trials a rung stopped or paused gave back what they did not train, so more ran.
+    assert len(finished) >= BUDGET
+    spent = budget.Trainings(BUDGET, 4).spent(budget.trained_of(trials))
+    assert BUDGET - 1 < spent <= BUDGET, spent
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
 
 
