@@ -1375,6 +1375,31 @@ def render(paths: list[Path], plot: Path | None) -> str:
     return "\n".join(lines)
 
 
+def render_blocks(paths: list[Path], size: int) -> str:
+    """The null checks of each output over each `size` consecutive worlds and over all of
+    them (`yardstick.blocks`)."""
+    lines = ["| table | mode | setting | null | worlds | auc_ratio (95%) | "
+             "final regret diff (95%) | level |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | --- |"]
+    for path in paths:
+        r = json.loads(path.read_text())
+        reps = r["repetitions_data"]
+        for a, b in NULLS:
+            if not reps or a not in reps[0] or b not in reps[0]:
+                continue
+            for f in yardstick.blocks(reps, a, b, size):
+                seeds = (f"{reps[f['first']]['world']['seed']}-"
+                         f"{reps[f['last']]['world']['seed']}")
+                which = f"all {f['worlds']}" if f["worlds"] > size else seeds
+                lines.append(
+                    f"| {where(r)} | {r['mode']} | {r['budget']} x {r['workers']} | {a} vs {b} "
+                    f"| {which} | {f['auc_ratio']:.3f} ({span(f['auc_ratio_interval'], 3)}) | "
+                    f"{f['final_regret_diff']:+.3f} "
+                    f"({span(f['final_regret_diff_interval'], 3)}) | "
+                    f"{'yes' if f['level'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def draw(results: list[dict], plot: Path) -> None:
     """Per result, normalized regret (IQM and bootstrap 95% band) and average rank over the
     share of the horizon."""
@@ -1496,6 +1521,9 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--render", type=Path, nargs="+",
                        help="write the table of these outputs (and --plot) instead")
     found.add_argument("--plot", type=Path)
+    found.add_argument("--blocks", type=int, metavar="WORLDS",
+                       help="with --render: the null checks over each WORLDS consecutive "
+                       "worlds and over all, instead")
     found.add_argument("--reality", action="store_true",
                        help="replay the real runs of --real on the demo table's CPU kind")
     return found
@@ -1507,7 +1535,10 @@ def main(argv: list[str] | None = None) -> None:
         print(reality(args.real, args.table[0]))
         return
     if args.render:
-        print(render(args.render, args.plot))
+        if args.blocks is not None and args.blocks < 1:
+            parser().error("--blocks must be at least 1")
+        print(render_blocks(args.render, args.blocks) if args.blocks
+              else render(args.render, args.plot))
         return
     if args.merge:
         if args.output is None:

@@ -129,6 +129,18 @@ def compare(reps: list[dict], a: str, b: str, seed: int = 0) -> dict[str, Any]:
     }
 
 
+def blocks(reps: list[dict], a: str, b: str, size: int) -> list[dict[str, Any]]:
+    """`compare` over each run of `size` consecutive worlds, then over them all: whether a
+    null check that fails on one set of worlds fails by the draw of those worlds (the other
+    blocks and the whole level) or by a difference the whole shows too. Each entry adds
+    `first` and `last`, the worlds' indices, and `level`."""
+    spans = [(k, min(k + size, len(reps))) for k in range(0, len(reps), size)]
+    if len(spans) > 1:
+        spans.append((0, len(reps)))
+    return [{"first": first, "last": end - 1, **(found := compare(reps[first:end], a, b)),
+             "level": level(found)} for first, end in spans]
+
+
 def interval(samples: np.ndarray) -> list[float]:
     return [round(float(np.percentile(samples, 2.5)), 4),
             round(float(np.percentile(samples, 97.5)), 4)]

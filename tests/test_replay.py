@@ -749,6 +749,19 @@ def test_render_writes_a_row_per_peer_and_null_check(tmp_path):
     assert "| null: expert-copy vs expert (level) |" in text or "(NOT level)" in text
 
 
+def test_render_blocks_gives_each_null_check_per_run_of_worlds_and_over_all(tmp_path, capsys):
+    out = rendered_run(tmp_path)
+    capsys.readouterr()
+    replay.main(["--render", str(out), "--blocks", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ")[4] for line in lines[2:]]
+    assert rows == ["0-1", "2-2", "all 3"]  # hpo-as-expert was not run: no rows of it
+    assert all(line.startswith("| demo | compute | 4 x 1 | expert-copy vs expert |")
+               and line.endswith((" yes |", " NO |")) for line in lines[2:])
+    with pytest.raises(SystemExit):
+        replay.main(["--render", str(out), "--blocks", "0"])
+
+
 def test_render_plots_regret_and_rank_over_time(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot's matplotlib comes with '.[bench]'")
     replay.render([rendered_run(tmp_path)], tmp_path / "plot.png")

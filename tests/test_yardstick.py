@@ -91,3 +91,20 @@ def test_iqm_is_the_mean_of_the_middle_half():
     import numpy as np
 
     assert yardstick.iqm(np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 100.0])) == 3.5
+
+
+def test_blocks_say_which_run_of_worlds_a_null_check_fails_on_and_what_the_whole_says():
+    # a equals b but in worlds 10-19, where it finds b's value four times later.
+    reps = [world(a=[[(20.0 if 10 <= k < 20 else 5.0) + k % 3, 0.8]], b=[[5.0 + k % 3, 0.8]])
+            for k in range(40)]
+    found = yardstick.blocks(reps, "a", "b", 10)
+    assert [(f["first"], f["last"], f["worlds"]) for f in found] == [
+        (0, 9, 10), (10, 19, 10), (20, 29, 10), (30, 39, 10), (0, 39, 40)]
+    assert [f["level"] for f in found[:4]] == [True, False, True, True]
+    assert found[1]["auc_ratio_interval"][0] > 1.0
+    assert found[4] == {"first": 0, "last": 39, **yardstick.compare(reps, "a", "b"),
+                        "level": found[4]["level"]}
+    # One block holds every world: no second entry for the whole.
+    assert [(f["first"], f["last"]) for f in yardstick.blocks(reps, "a", "b", 40)] == [(0, 39)]
+    assert [(f["first"], f["last"]) for f in yardstick.blocks(reps, "a", "b", 30)] == [
+        (0, 29), (30, 39), (0, 39)]
