@@ -76,6 +76,7 @@ from tables import Costs, Curve, Point
 from hpo import config as config_module
 from hpo import study_files
 from hpo.search import artifacts
+from hpo.search.pausing import PAUSED_AT
 from hpo.search.study import make_pruner, make_sampler
 from hpo.space import PinnedSpace, by_cost, declare, suggest
 
@@ -554,6 +555,8 @@ class PromotionPolicy:
         self.waiting.setdefault(run.rung - 1, []).append(run)
         if self.tell_paused:
             self.base.study.tell(run.trial, state=TrialState.PRUNED)
+        else:  # marked as hpo's workers mark it, which its sampler may read
+            run.trial.set_user_attr(PAUSED_AT, epoch)
         self.bound()
         return PAUSE
 
@@ -585,6 +588,8 @@ class PromotionPolicy:
             self.base.study.enqueue_trial(run.trial.params)
             run.trial = self.base.study.ask()
             self.base.sample(run.trial)
+        else:
+            run.trial.set_user_attr(PAUSED_AT, None)
         return run
 
     def top(self, rung: int) -> list[PromotingRun]:

@@ -238,6 +238,9 @@ class SamplerConfig(_Section):
     constant_liar: bool = True
     """TPE: count the trials other workers are running as poor results, so workers sampling
     at once do not all pick the same promising region."""
+    startup_counts_paused: bool = False
+    """TPE: a trial paused at a rung (`pruner.pause`) counts among the `n_startup_trials`
+    that end the random start-up, as the stop it replaces would."""
 
     @model_validator(mode="after")
     def _group(self) -> SamplerConfig:

@@ -18,6 +18,7 @@ from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
 from hpo.search import budget, pruning, release
 from hpo.search.resilience import ResilientRDBStorage
+from hpo.search.startup import PausedCountStartup
 from hpo.search.storage import retry_callback
 from hpo.space import PIN_ATTR, PinnedSpace, StepCosts, by_cost, pin
 
@@ -47,14 +48,19 @@ def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampl
     sampler = config.study.sampler
     if sampler.name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    counted = sampler.startup_counts_paused and sampler.n_startup_trials > 0
     with warnings.catch_warnings():
         # multivariate, group and constant_liar are "experimental" in Optuna's words only.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.samplers.TPESampler(
-            seed=seed, n_startup_trials=sampler.n_startup_trials,
+        tpe = optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=0 if counted else sampler.n_startup_trials,
             multivariate=sampler.multivariate, group=sampler.group,
             constant_liar=sampler.constant_liar,
         )
+    if counted:
+        return PausedCountStartup(tpe, optuna.samplers.RandomSampler(seed=seed),
+                                  sampler.n_startup_trials)
+    return tpe
 
 
 class PerTrialSeeded(optuna.samplers.BaseSampler):
