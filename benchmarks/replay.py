@@ -1228,8 +1228,8 @@ def run(args: argparse.Namespace) -> dict:
     load = functools.partial(grounds, tuple(str(p) for p in args.table), str(args.real),
                              args.even_costs, args.epochs, surrogate)
     variants = tuple((label, tuple(sets)) for label, sets in args.variants)
-    names = ("hpo", *dict.fromkeys(p for p in args.policies if p != "hpo"),
-             *(label for label, _ in variants if label != "hpo"))
+    # A variant named in --policies too runs once.
+    names = tuple(dict.fromkeys(("hpo", *args.policies, *(label for label, _ in variants))))
     if args.hpo_sets:
         variants = (*variants, ("hpo", tuple(args.hpo_sets)))
     setting = Setting(args.mode, args.budget, args.workers, names, variants,
@@ -1287,6 +1287,12 @@ def horizons_of(path: Path, count: int) -> tuple[float, ...]:
 # What must agree between outputs merged into one.
 SAME = ("mode", "budget", "workers", "horizons", "hpo_sets", "even_costs", "policies",
         "tables", "tpe", "answers")
+# What an output made before a key existed did: every suggestion read the nearest run.
+BEFORE = {"answers": "the nearest recorded run"}
+
+
+def recorded(result: dict, key: str) -> Any:
+    return result.get(key, BEFORE.get(key))
 
 
 def merge(results: list[dict]) -> dict:
@@ -1294,7 +1300,7 @@ def merge(results: list[dict]) -> dict:
     the worlds together in seed order, the figures computed over all of them."""
     first = results[0]
     for other in results[1:]:
-        differs = [key for key in SAME if other.get(key) != first.get(key)]
+        differs = [key for key in SAME if recorded(other, key) != recorded(first, key)]
         if differs:
             raise SystemExit(f"cannot merge: the outputs differ in {differs[0]}")
     reps = sorted((w for r in results for w in r["repetitions_data"]),
@@ -1315,7 +1321,8 @@ def join(results: list[dict], renames: dict[str, str]) -> dict:
     becomes the subject of the figures)."""
     first = results[0]
     for other in results[1:]:
-        differs = [key for key in SAME if key != "policies" and other.get(key) != first.get(key)]
+        differs = [key for key in SAME
+                   if key != "policies" and recorded(other, key) != recorded(first, key)]
         if differs:
             raise SystemExit(f"cannot join: the outputs differ in {differs[0]}")
     by_seed = [{w["world"]["seed"]: w for w in r["repetitions_data"]} for r in results]
@@ -1333,7 +1340,7 @@ def join(results: list[dict], renames: dict[str, str]) -> dict:
             raise SystemExit(f"cannot join: world {seed} is not the same world in each output")
         rep: dict[str, Any] = {}
         for name, got in ((n, v) for w in worlds for n, v in w.items() if n != "world"):
-            if rep.setdefault(name, got) != got:
+            if not alike(rep.setdefault(name, got), got):
                 raise SystemExit(f"cannot join: {name} searched otherwise in world {seed}")
         rep = {renames.get(n, n): v for n, v in rep.items()}
         # In compute mode every end is the horizon; in trials mode the last wall of all.
@@ -1342,6 +1349,13 @@ def join(results: list[dict], renames: dict[str, str]) -> dict:
         reps.append(rep)
     return {**first, "policies": names, "joined": {"outputs": len(results), "renames": renames},
             "machines": sorted({r["machine"] for r in results}), **figures(reps, names)}
+
+
+def alike(one: dict, other: dict) -> bool:
+    """Two records of a policy's search in a world agree in every figure both hold (an
+    output made before a figure existed, as `distinct`, lacks it) and in its steps."""
+    shared = one.keys() & other.keys()
+    return "steps" in shared and all(one[key] == other[key] for key in shared)
 
 
 def where(result: dict) -> str:

@@ -465,9 +465,18 @@ def test_runs_of_the_same_worlds_with_other_policies_join_into_the_whole_run(tmp
         whole["repetitions_data"], "novice", "hpo")
     with pytest.raises(SystemExit, match="two policies would share a name"):
         replay.join([part, other], {"novice": "random"})
+    # An output made before a figure or a setting was recorded joins on what both hold.
+    older = json.loads(json.dumps(other))
+    del older["answers"]
+    for rep in older["repetitions_data"]:
+        del rep["random"]["distinct"]
+    assert replay.join([part, older], {})["repetitions_data"] == whole["repetitions_data"]
     other["repetitions_data"][1]["random"]["steps"][0][1] += 0.01
     with pytest.raises(SystemExit, match="random searched otherwise in world 1"):
         replay.join([part, other], {})
+    older["answers"] = "the surrogate at the point"
+    with pytest.raises(SystemExit, match="differ in answers"):
+        replay.join([part, older], {})
     fewer = main_run(tmp_path, *common[:-1], "2", "--policies", "novice")
     with pytest.raises(SystemExit, match="the outputs hold different worlds"):
         replay.join([part, fewer], {})
@@ -793,6 +802,10 @@ def test_a_variant_is_hpo_with_overrides_scored_as_a_peer(tmp_path, curves):
                       "--policies", "--variant",
                       "hb2=study.pruner.name=hyperband;study.pruner.reduction_factor=2")
     assert list(result["versus"]) == ["hb2"]
+    # Named in --policies as well, it runs once.
+    again = main_run(tmp_path, "--budget", "6", "--repetitions", "2", "--table", str(table),
+                     "--policies", "hb2", "--variant", "hb2=study.pruner.name=hyperband")
+    assert again["policies"] == ["hpo", "hb2"]
     (policy, searches), = replay.policies(["hb2"], replay.Ground(demo_study(), curves), 0,
                                           {"hb2": ["study.pruner.name=hyperband"]})
     assert isinstance(policy.study.pruner, optuna.pruners.HyperbandPruner) and searches
