@@ -240,7 +240,9 @@ class SamplerConfig(_Section):
     at once do not all pick the same promising region."""
     startup_counts_paused: bool = False
     """TPE: a trial paused at a rung (`pruner.pause`) counts among the `n_startup_trials`
-    that end the random start-up, as the stop it replaces would."""
+    that end the random start-up, as the stop it replaces would. Off: in the replay it gave
+    one worker less regret over time and two or more a worse final model on LCBench
+    (benchmarks/README.md, "TPE's start-up under pausing")."""
 
     @model_validator(mode="after")
     def _group(self) -> SamplerConfig:
