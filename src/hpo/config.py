@@ -243,18 +243,11 @@ class SamplerConfig(_Section):
     that end the random start-up, as the stop it replaces would. Off: in the replay it gave
     one worker less regret over time and two or more a worse final model on LCBench
     (benchmarks/README.md, "TPE's start-up under pausing")."""
-    paused_as_pruned: bool = False
-    """TPE: read a trial paused at a rung (`pruner.pause`) as the PRUNED trial stopping would
-    have made of it (ranked by how far it got and what it reported there) rather than as one
-    still running, in its start-up count and in its model (`hpo.search.paused_view`)."""
 
     @model_validator(mode="after")
     def _group(self) -> SamplerConfig:
         if self.group and not self.multivariate:
             raise ValueError("sampler.group needs sampler.multivariate: true")
-        if self.paused_as_pruned and self.startup_counts_paused:
-            raise ValueError("sampler.paused_as_pruned already counts paused trials in the "
-                             "start-up: leave sampler.startup_counts_paused out")
         return self
 
 

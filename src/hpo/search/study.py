@@ -17,7 +17,6 @@ from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
 from hpo.search import budget, pruning, release
-from hpo.search.paused_view import PausedAsPruned
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.startup import PausedCountStartup
 from hpo.search.storage import retry_callback
@@ -61,7 +60,7 @@ def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampl
     if counted:
         return PausedCountStartup(tpe, optuna.samplers.RandomSampler(seed=seed),
                                   sampler.n_startup_trials)
-    return PausedAsPruned(tpe) if sampler.paused_as_pruned else tpe
+    return tpe
 
 
 class PerTrialSeeded(optuna.samplers.BaseSampler):
