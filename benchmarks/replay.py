@@ -77,7 +77,7 @@ from hpo import config as config_module
 from hpo import study_files
 from hpo.search import artifacts
 from hpo.search.pausing import PAUSED_AT
-from hpo.search.study import make_pruner, make_sampler
+from hpo.search.study import PerTrialSeeded, make_pruner, make_sampler, trial_seed
 from hpo.space import PinnedSpace, by_cost, declare, suggest
 
 HERE = Path(__file__).resolve().parent
@@ -399,6 +399,7 @@ class RayPolicy:
     startup: float = 0.0
     slowdowns: dict[str, float] = field(default_factory=dict)
     gap: float = 0.0
+    sampler: optuna.samplers.BaseSampler | None = None  # None: TPESampler(seed=seed)
     handles: dict[str, _RayTrial] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -408,7 +409,7 @@ class RayPolicy:
         space = self.space
         self.searcher = OptunaSearch(
             space=lambda trial: tables.suggest(trial, space) and None, metric="objective",
-            mode="max", sampler=optuna.samplers.TPESampler(
+            mode="max", sampler=self.sampler or optuna.samplers.TPESampler(
                 seed=self.seed, n_startup_trials=self.n_startup_trials))
         self.scheduler = ASHAScheduler(metric="objective", mode="max", time_attr="epoch",
                                        max_t=self.epochs, grace_period=1,
@@ -946,10 +947,11 @@ def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
 
 
 def policies(names: list[str], ground: Ground, seed: int,
-             variants: dict[str, list[str]] | None = None) -> list[tuple[Policy, bool]]:
+             variants: dict[str, list[str]] | None = None, own_draws: bool = False
+             ) -> list[tuple[Policy, bool]]:
     """Each named policy for repetition `seed`, and whether it searches batches as hpo;
     `variants` names hpo with `--set` overrides (one named "hpo" replaces hpo's defaults)."""
-    build = builders(ground, seed)
+    build = builders(ground, seed, own_draws)
     for label, sets in (variants or {}).items():
         build[label] = functools.partial(
             lambda sets, label: (hpo_search(with_overrides(ground.study, *sets), ground, seed,
@@ -982,7 +984,20 @@ def peer_space(ground: Ground) -> PeerSpace:
                              for m in table.models} for tool in ("novice", "expert", "ray")})
 
 
-def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, bool]]]:
+def shared_tpe(seed: int, startup: int) -> optuna.samplers.BaseSampler:
+    """Optuna's TPE at its defaults, trial n drawn by `TPESampler(seed=trial_seed(seed, n))`
+    as hpo's seeded sampler draws it. TPE reads the history from the study and its seed only
+    draws, so a TPE seeded per trial searches as one seeded once; but now, where the same
+    space is suggested in the same order, its random start-up draws trial for trial what
+    hpo's and the random search's draw in the same world (common random numbers): the luck
+    of the first draws, which decides most of the early regret, no longer differs between
+    the policies compared (benchmarks/README.md, "Shared start-up draws")."""
+    return PerTrialSeeded(lambda number: optuna.samplers.TPESampler(
+        seed=trial_seed(seed, number), n_startup_trials=startup))
+
+
+def builders(ground: Ground, seed: int, own_draws: bool = False
+             ) -> dict[str, Callable[[], tuple[Policy, bool]]]:
     """The peers as their users build them with the installed Optuna (each setting stated
     in benchmarks/README.md, "The search yardstick"): `novice`, `expert`, `ray` (ASHA at
     Ray's reduction factor 4), `ray-rf2`, `random`, `tpe-hyperband`, `bohb` (Syne Tune's),
@@ -996,8 +1011,10 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
     peers = peer_space(ground)
     space, of, slow = peers.space, peers.config_of, peers.slow
 
-    def tpe(s: int) -> optuna.samplers.TPESampler:
-        return optuna.samplers.TPESampler(seed=s, n_startup_trials=startup)
+    def tpe(s: int) -> optuna.samplers.BaseSampler:
+        if own_draws:
+            return optuna.samplers.TPESampler(seed=s, n_startup_trials=startup)
+        return shared_tpe(s, startup)
 
     def glue(name: str, tool: str, s: int, pruner: optuna.pruners.BasePruner,
              **how: Any) -> tuple[Policy, bool]:
@@ -1026,7 +1043,7 @@ def builders(ground: Ground, seed: int) -> dict[str, Callable[[], tuple[Policy, 
     def ray(name: str, factor: int) -> tuple[Policy, bool]:
         return RayPolicy(name, space, of["expert"], seed, epochs, startup, factor,
                          facts.startup.get("ray", 0.0), slow.get("ray", {}),
-                         facts.gaps.get("ray", 0.0)), False
+                         facts.gaps.get("ray", 0.0), sampler=tpe(seed)), False
 
     prior = [{"model_name": m, "learning_rate": r} for m in study.search_space.model_name
              for r in PRIOR_RATES]
@@ -1092,6 +1109,7 @@ class Setting:
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
     horizons: tuple[float, ...] = ()  # compute mode: per table
     exact_tpe: bool = False  # Optuna's own _log_ndtr, not benchmarks/tpe_speed.py's
+    own_draws: bool = False  # each peer's TPE seeded once (before 2026-12-06): `shared_tpe`
 
     def variant_sets(self) -> dict[str, list[str]]:
         return {label: list(sets) for label, sets in self.variants}
@@ -1133,7 +1151,8 @@ def one_world(setting: Setting, load: Callable[[], list[Ground]], world: int) ->
     ground = grounds[world % len(grounds)]
     horizon = (setting.horizons[world % len(grounds)] if setting.mode == "compute"
                else math.inf)
-    chosen = policies(list(setting.names), ground, world, setting.variant_sets())
+    chosen = policies(list(setting.names), ground, world, setting.variant_sets(),
+                      own_draws=setting.own_draws)
     return race(chosen, ground.table, world, setting, horizon)
 
 
@@ -1233,7 +1252,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.hpo_sets:
         variants = (*variants, ("hpo", tuple(args.hpo_sets)))
     setting = Setting(args.mode, args.budget, args.workers, names, variants,
-                      exact_tpe=args.exact_tpe)
+                      exact_tpe=args.exact_tpe, own_draws=args.own_draws)
     seeds = range(args.first_seed, args.first_seed + args.repetitions)
     count = len(load())
     if args.mode == "compute":
@@ -1257,6 +1276,7 @@ def run(args: argparse.Namespace) -> dict:
                    for p, g in zip(args.table, load(), strict=True)],
         "machine": cpu_model(), "versions": versions(),
         "tpe": "Optuna's" if args.exact_tpe else "Optuna's, log_ndtr vectorised (tpe_speed.py)",
+        "draws": OWN if args.own_draws else SHARED,
         "measured": next((dataclasses.asdict(g.facts) for g in load() if g.demo), None),
         **figures(reps, names),
     }
@@ -1286,9 +1306,12 @@ def horizons_of(path: Path, count: int) -> tuple[float, ...]:
 
 # What must agree between outputs merged into one.
 SAME = ("mode", "budget", "workers", "horizons", "hpo_sets", "even_costs", "policies",
-        "tables", "tpe", "answers")
-# What an output made before a key existed did: every suggestion read the nearest run.
-BEFORE = {"answers": "the nearest recorded run"}
+        "tables", "tpe", "answers", "draws")
+OWN = "each peer's TPE seeded once"
+SHARED = "the peers' TPE seeded per trial as hpo's (start-up draws shared)"
+# What an output made before a key existed did: every suggestion read the nearest run, and
+# each peer's TPE drew from its own seed.
+BEFORE = {"answers": "the nearest recorded run", "draws": OWN}
 
 
 def recorded(result: dict, key: str) -> Any:
@@ -1521,6 +1544,9 @@ def parser() -> argparse.ArgumentParser:
                        help="LCBench's tables (replay_lcbench.py) answered by YAHPO's "
                        "surrogate at each suggested point, not by the nearest of their "
                        "recorded runs: a clone of slds-lmu/yahpo_data")
+    found.add_argument("--own-draws", action="store_true",
+                       help="seed each peer's TPE once, as before 2026-12-06, rather than "
+                            "per trial as hpo's (shared start-up draws)")
     found.add_argument("--exact-tpe", action="store_true",
                        help="Optuna's own _log_ndtr in TPE (slower; the same figures)")
     found.add_argument("--even-costs", action="store_true",

@@ -384,11 +384,36 @@ def test_on_a_table_hpo_runs_its_schemas_defaults_and_every_policy_its_spaces_va
         assert all(set(t.config.as_dict()) == set(ground.table.space) for t in trials)
 
 
+def first_draws(ground: replay.Ground, names: list[str], seed: int, own_draws: bool = False
+                ) -> dict[str, list[dict]]:
+    startup = ground.study.study.sampler.n_startup_trials
+    drawn = {}
+    for policy, _ in replay.policies(names, ground, seed, own_draws=own_draws):
+        trials = replay.simulate(policy, ground.table, seed, 1, budget=startup + 2)
+        started = [t.config for t in sorted(trials, key=lambda t: t.start)]
+        # A paused trial's resumption reads the configuration it started with.
+        drawn[policy.name] = [c.as_dict() for c in dict.fromkeys(started)][:startup]
+    return drawn
+
+
+def test_every_optuna_search_draws_hpos_start_up_in_a_world_and_other_worlds_differ():
+    pytest.importorskip("ray.tune", reason="Ray Tune comes with '.[bench]'")
+    ground = shipped()
+    names = ["hpo", "novice", "expert", "random", "tpe-hyperband", "hpo-as-expert", "ray"]
+    drawn = first_draws(ground, names, 3)
+    for name in names:
+        assert drawn[name] == drawn["hpo"], name  # common random numbers
+    assert first_draws(ground, ["hpo"], 4)["hpo"] != drawn["hpo"]
+    # The null check's copy draws from other seeds; before 2026-12-06 every peer did.
+    assert first_draws(ground, ["expert-copy"], 3)["expert-copy"] != drawn["hpo"]
+    assert first_draws(ground, ["novice"], 3, own_draws=True)["novice"] != drawn["hpo"]
+
+
 def test_a_policy_against_a_copy_of_itself_with_other_seeds_comes_out_level():
     ground = shipped()
     setting = replay.Setting("trials", 8, 2, ("expert", "expert-copy", "hpo-as-expert"))
     reps = [replay.race(replay.policies(list(setting.names), ground, w), ground.table, w,
-                        setting, math.inf) for w in range(16)]
+                        setting, math.inf) for w in range(32)]
     for a, b in replay.NULLS:
         assert replay.yardstick.level(replay.yardstick.compare(reps, a, b)), (a, b)
 
@@ -477,6 +502,12 @@ def test_runs_of_the_same_worlds_with_other_policies_join_into_the_whole_run(tmp
     older["answers"] = "the surrogate at the point"
     with pytest.raises(SystemExit, match="differ in answers"):
         replay.join([part, older], {})
+    # Before 2026-12-06 each peer's TPE drew its own start-up: not joined with shared draws.
+    assert part["draws"] == replay.SHARED
+    own = json.loads(json.dumps(other))
+    del own["draws"]
+    with pytest.raises(SystemExit, match="differ in draws"):
+        replay.join([part, own], {})
     fewer = main_run(tmp_path, *common[:-1], "2", "--policies", "novice")
     with pytest.raises(SystemExit, match="the outputs hold different worlds"):
         replay.join([part, fewer], {})
