@@ -77,6 +77,7 @@ from hpo import config as config_module
 from hpo import study_files
 from hpo.search import artifacts
 from hpo.search.pausing import PAUSED_AT
+from hpo.search.pruning import rung_key
 from hpo.search.study import PerTrialSeeded, make_pruner, make_sampler, trial_seed
 from hpo.space import PinnedSpace, by_cost, declare, suggest
 
@@ -550,6 +551,10 @@ class PromotionPolicy:
             return False
         value = max(run.scores)
         self.values.setdefault(run.rung, []).append((value, run))
+        # Recorded on the trial as hpo's pruner records a rung (its system attribute), which
+        # hpo's sampler may read (`hpo.search.paused_view`'s agreement).
+        self.base.study._storage.set_trial_system_attr(  # noqa: SLF001 as Optuna's pruners
+            run.trial._trial_id, rung_key(run.rung), value)  # noqa: SLF001
         run.rung += 1
         if self.eager and run in self.top(run.rung - 1):
             return False

@@ -666,6 +666,9 @@ def test_hpos_pause_form_pauses_only_what_stopping_would_stop_and_resumes_it_lat
     # Paused as hpo's workers mark a paused trial, which its sampler may read.
     marks = {t.number: t.user_attrs.get("paused_at") for t in policy.base.study.trials}
     assert marks == {0: None, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
+    # Each rung recorded on its trial as hpo's pruner records it, the one gone on included.
+    rungs = [t.system_attrs.get("completed_rung_0") for t in policy.base.study.trials]
+    assert rungs == [0.5, 0.3, 0.2, 0.1, 0.05, 0.04]
     # Six at the rung: its top third is two, so the second is resumed before anything new.
     assert policy.ask() is runs[1]
     assert policy.base.study.trials[1].user_attrs["paused_at"] is None

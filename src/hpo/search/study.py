@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -17,6 +18,7 @@ from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
 from hpo.search import budget, pruning, release
+from hpo.search.paused_view import PausedAsPruned
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.startup import PausedCountStartup
 from hpo.search.storage import retry_callback
@@ -60,6 +62,10 @@ def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampl
     if counted:
         return PausedCountStartup(tpe, optuna.samplers.RandomSampler(seed=seed),
                                   sampler.n_startup_trials)
+    if sampler.paused_as_pruned_agreement is not None or sampler.paused_as_pruned_from is not None:
+        share = sampler.paused_as_pruned_from or 0.0
+        return PausedAsPruned(tpe, sampler.paused_as_pruned_agreement,
+                              math.ceil(share * config.max_steps()))
     return tpe
 
 
