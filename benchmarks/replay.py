@@ -946,7 +946,8 @@ def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:
     return with_overrides(
         study, "study.sampler.name=tpe", "study.sampler.multivariate=true",
         "study.sampler.constant_liar=true", "study.sampler.group=false",
-        "study.pruner.name=median", f"study.pruner.n_startup_trials={MEDIAN_STARTUP}",
+        "study.sampler.paused_as_pruned_from=null", "study.pruner.name=median",
+        f"study.pruner.n_startup_trials={MEDIAN_STARTUP}",
         f"study.pruner.n_warmup_steps={MEDIAN_WARMUP}", "study.objective_epoch=best",
         "study.enqueue=[]", *OPTUNA_COUNT)
 

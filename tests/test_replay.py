@@ -14,6 +14,7 @@ import pytest
 import replay
 from conftest import REPO, require
 
+from hpo.search.paused_view import PausedAsPruned
 from hpo.search.study import PerTrialSeeded
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -325,7 +326,7 @@ def test_hpo_policy_is_built_by_hpos_own_functions_and_searches_its_precisions(c
     policy = replay.hpo_policy(ground.study, ground, 3, "hpo")
     assert isinstance(policy.study.pruner, optuna.pruners.SuccessiveHalvingPruner)
     assert isinstance(policy.study.sampler, PerTrialSeeded)  # as `hpo run` seeds it
-    assert isinstance(policy.study.sampler.sampler_for(0), optuna.samplers.TPESampler)
+    assert isinstance(policy.study.sampler.sampler_for(0), PausedAsPruned)  # as hpo's
     trials = replay.simulate(policy, curves, 0, 2, budget=8, searches_batches=True)
     # A budget of 8 trainings (hpo's default): the pruned trials give back what they did
     # not train, so more start, and all of them train at most 8 trainings' epochs.

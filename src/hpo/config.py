@@ -243,26 +243,18 @@ class SamplerConfig(_Section):
     that end the random start-up, as the stop it replaces would. Off: in the replay it gave
     one worker less regret over time and two or more a worse final model on LCBench
     (benchmarks/README.md, "TPE's start-up under pausing")."""
-    paused_as_pruned_agreement: Annotated[float, Field(ge=-1, le=1)] | None = None
+    paused_as_pruned_from: Annotated[float, Field(ge=0, le=1)] | None = 0.5
     """TPE: read a trial paused at a rung (`pruner.pause`) as the PRUNED trial stopping would
     have made of it (ranked by how far it got and what it reported there) rather than as one
-    still running, once that rung's ranking agrees with the end: Kendall's tau between its
-    values and the final ones of at least 5 finished trials is at least this
-    (`hpo.search.paused_view`). None: a paused trial is a running one to TPE."""
-    paused_as_pruned_from: Annotated[float, Field(ge=0, le=1)] | None = None
-    """TPE: read a trial paused at a rung (`pruner.pause`) as the PRUNED trial stopping would
-    have made of it when it paused this share of the training's steps in or later (0: at
-    any rung). None: a paused trial is a running one to TPE."""
+    still running, where it paused this share of the training's steps in or later (0: at
+    any rung; `hpo.search.paused_view`). A late epoch ranks trials as their ends do; an
+    early one need not (benchmarks/README.md, "Paused trials shown to TPE as pruned").
+    None: a paused trial is a running one to TPE."""
 
     @model_validator(mode="after")
     def _group(self) -> SamplerConfig:
         if self.group and not self.multivariate:
             raise ValueError("sampler.group needs sampler.multivariate: true")
-        if ((self.paused_as_pruned_agreement is not None
-             or self.paused_as_pruned_from is not None) and self.startup_counts_paused):
-            raise ValueError("sampler.paused_as_pruned_agreement counts the paused trials it "
-                             "reads as pruned in the start-up: leave "
-                             "sampler.startup_counts_paused out")
         return self
 
 

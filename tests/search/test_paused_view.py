@@ -6,9 +6,9 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
 from hpo.config import SamplerConfig
-from hpo.search.paused_view import MIN_PAIRS, PausedAsPruned, as_stopped
+from hpo.search.paused_view import PausedAsPruned, as_stopped
 from hpo.search.pausing import PAUSED_AT
-from hpo.search.pruning import rung_key
+from hpo.search.startup import PausedCountStartup
 from hpo.search.study import PerTrialSeeded, make_sampler
 from hpo.study_files import load
 
@@ -88,62 +88,47 @@ def test_the_sample_goes_to_the_study_itself():
     assert study.trials[trial.number].state == TrialState.RUNNING
 
 
-def ranked(order: str, complete: int = MIN_PAIRS, paused: int = 2) -> list:
-    """Trials that reported at rung 0 (epoch 1): `complete` finished, whose finals rank as
-    their rung values (`order` "agree") or the reverse ("disagree"), and `paused` paused."""
+def paused_at(steps: tuple[int, ...]) -> list:
+    """Finished trials, and one trial paused at each of `steps`."""
     study = optuna.create_study(direction="maximize")
-    for k in range(complete + paused):
+    for k in range(2 + len(steps)):
         trial = study.ask({"x": FloatDistribution(0, 1)})
         trial.report(float(k), 1)
-        study._storage.set_trial_system_attr(trial._trial_id, rung_key(0), float(k))
-        if k < complete:
-            study.tell(trial, float(k) if order == "agree" else -float(k))
+        if k < 2:
+            study.tell(trial, float(k))
         else:
-            trial.set_user_attr(PAUSED_AT, 1)
+            trial.set_user_attr(PAUSED_AT, steps[k - 2])
     return study.get_trials(deepcopy=False)
 
 
-def states(trials: list, min_agreement: float | None) -> list[TrialState]:
-    return [t.state for t in as_stopped(trials, None, min_agreement)][-2:]  # the paused
-
-
-def test_a_rung_that_ranks_as_the_end_restates_its_paused_trials():
-    assert states(ranked("agree"), 0.5) == [TrialState.PRUNED] * 2
-    assert states(ranked("disagree"), 0.5) == [TrialState.RUNNING] * 2
-    assert states(ranked("disagree"), None) == [TrialState.PRUNED] * 2  # no agreement asked
-
-
-def test_the_agreement_needs_enough_finished_trials():
-    assert states(ranked("agree", complete=MIN_PAIRS - 1), -1.0) == [TrialState.RUNNING] * 2
-
-
 def test_only_trials_paused_from_a_step_on_are_restated():
-    trials = ranked("disagree", paused=2)  # paused at step 1
-    assert states(trials, None) == [TrialState.PRUNED] * 2
-    assert [t.state for t in as_stopped(trials, None, None, from_step=2)][-2:] == [
-        TrialState.RUNNING] * 2
-    assert [t.state for t in as_stopped(trials, None, None, from_step=1)][-2:] == [
-        TrialState.PRUNED] * 2
+    trials = paused_at((1, 2, 3))
+    assert [t.state for t in as_stopped(trials, None, from_step=2)] == [
+        TrialState.COMPLETE] * 2 + [TrialState.RUNNING, TrialState.PRUNED, TrialState.PRUNED]
+    assert [t.state for t in as_stopped(trials, None)][2:] == [TrialState.PRUNED] * 3
+    assert [t.number for t in as_stopped(trials, (TrialState.RUNNING,), from_step=3)] == [2, 3]
 
 
-def test_tpe_reads_untrusted_paused_trials_as_running():
-    study = history("paused")
-    # history's trials carry no rung: no rung agrees, so TPE sees the study as it is
-    assert draws(history("paused"), PausedAsPruned(tpe(), 0.0)) == draws(study, tpe())
+def test_tpe_reads_trials_paused_before_the_step_as_running():
+    # history's trials pause at step 1: from step 2 on, TPE sees the study as it is
+    assert draws(history("paused"), PausedAsPruned(tpe(), 2)) == draws(history("paused"),
+                                                                        tpe())
 
 
-def test_the_study_file_turns_it_on_and_refuses_it_with_the_counted_start_up(tiny_study):
+def test_by_default_trials_paused_from_half_their_training_on_are_restated(tiny_study):
     sets = ["study.sampler.name=tpe", "study.sampler.seed=3"]
-    sampler = make_sampler(load(tiny_study, [
-        *sets, "study.sampler.paused_as_pruned_agreement=0.5"]))
-    assert isinstance(sampler, PerTrialSeeded)
-    made = sampler.sampler_for(0)
-    assert isinstance(made, PausedAsPruned)
-    assert (made._min_agreement, made._from_step) == (0.5, 0)
-    config = load(tiny_study, [*sets, "study.sampler.paused_as_pruned_from=0.5"])
-    made = make_sampler(config).sampler_for(0)
-    assert made._min_agreement is None
-    assert made._from_step == -(-config.max_steps() // 2)  # half its steps, rounded up
-    assert not isinstance(make_sampler(load(tiny_study, sets)).sampler_for(0), PausedAsPruned)
-    with pytest.raises(ValueError, match="paused_as_pruned_agreement"):
-        SamplerConfig(paused_as_pruned_agreement=0.5, startup_counts_paused=True)
+    config = load(tiny_study, sets)
+    made = make_sampler(config)
+    assert isinstance(made, PerTrialSeeded)
+    assert isinstance(made.sampler_for(0), PausedAsPruned)
+    assert made.sampler_for(0).from_step == -(-config.max_steps() // 2)  # rounded up
+    made = make_sampler(load(tiny_study, [*sets, "study.sampler.paused_as_pruned_from=0"]))
+    assert made.sampler_for(0).from_step == 0
+    made = make_sampler(load(tiny_study, [*sets, "study.sampler.paused_as_pruned_from=null"]))
+    assert isinstance(made.sampler_for(0), optuna.samplers.TPESampler)
+    # With the counted start-up, the start-up counts the paused trials, TPE the view
+    made = make_sampler(load(tiny_study, [*sets, "study.sampler.startup_counts_paused=true"]))
+    assert isinstance(made.sampler_for(0), PausedCountStartup)
+    assert isinstance(made.sampler_for(0)._tpe, PausedAsPruned)
+    with pytest.raises(ValueError, match="paused_as_pruned_from"):
+        SamplerConfig(paused_as_pruned_from=1.5)

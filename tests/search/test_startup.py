@@ -79,7 +79,9 @@ def test_the_study_file_chooses_it_and_the_default_keeps_plain_tpe(tiny_study):
         assert isinstance(sampler, PerTrialSeeded)
         return sampler.sampler_for(0)
 
-    assert isinstance(made(), optuna.samplers.TPESampler)
-    assert isinstance(made("study.sampler.startup_counts_paused=true"), PausedCountStartup)
-    assert isinstance(made("study.sampler.startup_counts_paused=true",
+    plain = "study.sampler.paused_as_pruned_from=null"  # the paused view's default, left out
+    assert isinstance(made(plain), optuna.samplers.TPESampler)
+    assert isinstance(made(plain, "study.sampler.startup_counts_paused=true"),
+                      PausedCountStartup)
+    assert isinstance(made(plain, "study.sampler.startup_counts_paused=true",
                            "study.sampler.n_startup_trials=0"), optuna.samplers.TPESampler)

@@ -27,7 +27,7 @@ class PausedCountStartup(optuna.samplers.BaseSampler):
     """`tpe` (made with `n_startup_trials=0`) once `n_startup_trials` trials have ended or
     paused; until then `random`, seeded as TPE seeds its own start-up sampler."""
 
-    def __init__(self, tpe: optuna.samplers.TPESampler, random: optuna.samplers.RandomSampler,
+    def __init__(self, tpe: optuna.samplers.BaseSampler, random: optuna.samplers.RandomSampler,
                  n_startup_trials: int) -> None:
         self._tpe, self._random, self._n = tpe, random, n_startup_trials
         self._warm: tuple[int, bool] | None = None  # (trial number, counted for it)

@@ -54,18 +54,17 @@ def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampl
     with warnings.catch_warnings():
         # multivariate, group and constant_liar are "experimental" in Optuna's words only.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        tpe = optuna.samplers.TPESampler(
+        tpe: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(
             seed=seed, n_startup_trials=0 if counted else sampler.n_startup_trials,
             multivariate=sampler.multivariate, group=sampler.group,
             constant_liar=sampler.constant_liar,
         )
+    if sampler.paused_as_pruned_from is not None:
+        from_step = math.ceil(sampler.paused_as_pruned_from * config.max_steps())
+        tpe = PausedAsPruned(tpe, from_step)
     if counted:
         return PausedCountStartup(tpe, optuna.samplers.RandomSampler(seed=seed),
                                   sampler.n_startup_trials)
-    if sampler.paused_as_pruned_agreement is not None or sampler.paused_as_pruned_from is not None:
-        share = sampler.paused_as_pruned_from or 0.0
-        return PausedAsPruned(tpe, sampler.paused_as_pruned_agreement,
-                              math.ceil(share * config.max_steps()))
     return tpe
 
 
