@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Container, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optuna
 from optuna.distributions import BaseDistribution
@@ -65,7 +65,7 @@ class _StoppedView:
 
     def _get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None,
                     use_cache: bool = False) -> list[FrozenTrial]:
-        wanted = None if states is None else set(states)
+        wanted = None if states is None else {s for s in TrialState if s in states}
         asked = None if wanted is None else tuple(set(_ASKED) | wanted)
         trials = self._study._get_trials(deepcopy=deepcopy, states=asked, use_cache=use_cache)
         return as_stopped(trials, wanted, self._from_step)
@@ -88,8 +88,9 @@ class PausedAsPruned(optuna.samplers.BaseSampler):
         self._inner = inner
         self.from_step = from_step
 
-    def _view(self, study: optuna.Study) -> _StoppedView:
-        return _StoppedView(study, self.from_step)
+    def _view(self, study: optuna.Study) -> optuna.Study:
+        # A stand-in for the study (it answers what TPE asks a study), typed as one.
+        return cast(optuna.Study, _StoppedView(study, self.from_step))
 
     def infer_relative_search_space(
         self, study: optuna.Study, trial: FrozenTrial,
