@@ -184,13 +184,17 @@ def test_the_fleet_runs_the_study_to_its_budget_through_a_stop_and_a_kill(fleet,
     # numbered after the kill is worker-0's after its restart. Not `docker-compose kill`: the
     # engine counts that as a manual stop and restarts nothing (Docker 20.10 here).
     last = max(t.number for t in fleet.trials())
+    resumed = {t.number: len(t.user_attrs.get("resumes", [])) for t in fleet.trials()}
     os.kill(fleet.container("worker-0")["State"]["Pid"], signal.SIGKILL)
     restarted = wait_for("worker-0 to be restarted", lambda: (
         c := fleet.container("worker-0"))["RestartCount"] >= 1 and c["State"]["Running"] and c,
         timeout=120)
     assert restarted["Config"]["Hostname"] == other
+    # A claim is a new trial or a paused one resumed (a free worker resumes what a rung
+    # promotes before it starts anything new; `pausing.claim` names it the worker's).
     wait_for("worker-0 to claim a trial after its restart", lambda: [
-        t for t in fleet.trials() if t.number > last
+        t for t in fleet.trials()
+        if (t.number > last or len(t.user_attrs.get("resumes", [])) > resumed.get(t.number, 0))
         and str(t.user_attrs.get("worker", "")).startswith(f"{other}:")], timeout=300)
 
     # Chromium shows the study through the published loopback port.
