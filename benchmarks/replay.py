@@ -551,8 +551,8 @@ class PromotionPolicy:
             return False
         value = max(run.scores)
         self.values.setdefault(run.rung, []).append((value, run))
-        # Recorded on the trial as hpo's pruner records a rung (its system attribute), which
-        # hpo's sampler may read (`hpo.search.paused_view`'s agreement).
+        # Recorded on the trial as hpo's pruner records a rung (its system attribute), so that
+        # what reads a trial's rungs (`pausing.rung_reached`) reads the replay's as hpo's.
         self.base.study._storage.set_trial_system_attr(  # noqa: SLF001 as Optuna's pruners
             run.trial._trial_id, rung_key(run.rung), value)  # noqa: SLF001
         run.rung += 1
