@@ -165,6 +165,34 @@ def test_what_n_trials_counts_is_fixed_in_the_study_by_its_first_worker(tiny_stu
     join(load(tiny_study, []), open_storage(url), None)  # `hpo create`, `final`: no count
 
 
+def test_under_a_budget_of_trainings_every_worker_trains_as_long_as_the_first(tiny_study,
+                                                                             tmp_path, capsys):
+    from conftest import CPU_AVX2
+
+    from hpo.errors import ConfigError
+
+    url = f"sqlite:///{tmp_path / 'hpo.db'}"
+    first = load(tiny_study, ["training.epochs=2"])
+    study, _ = join(first, open_storage(url), CPU_AVX2)
+    assert study.user_attrs["training_steps"] == first.max_steps() == 2
+    join(load(tiny_study, ["training.epochs=2"]), open_storage(url), CPU_AVX2)
+    with pytest.raises(ConfigError, match=r"^training.epochs: study 'tiny' counts full "
+                       r"trainings of 2 steps \(fixed when its first worker joined\), this "
+                       r"file's of 3: "):
+        join(load(tiny_study, ["training.epochs=3"]), open_storage(url), CPU_AVX2)
+    # A budget of trials counts trials, however long each trains.
+    other = f"sqlite:///{tmp_path / 'trials.db'}"
+    for epochs in (2, 3):
+        study, _ = join(load(tiny_study, ["study.budget=trials", f"training.epochs={epochs}"]),
+                        open_storage(other), CPU_AVX2)
+    assert "training_steps" not in study.user_attrs
+    # As `hpo run` says it: one line, exit code 2.
+    assert main(["run", "--config", str(tiny_study), "--storage", url, "--n-trials", "1",
+                 "--set", "training.epochs=3", "--skip-check"]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        "hpo: error: training.epochs: study 'tiny' counts full trainings of 2 steps")
+
+
 def test_a_study_an_earlier_release_made_goes_on_counting_trials(tiny_study, tmp_path, capsys):
     from conftest import CPU_AVX2
 

@@ -284,6 +284,30 @@ def pin_budget(study: optuna.Study, config: StudyConfig) -> None:
         raise ConfigError(
             f"study.budget: study '{study.study_name}' counts {pinned} (fixed when its first "
             f"worker joined), this file {section.budget}: set study.budget: {pinned}")
+    if pinned == "trainings":
+        pin_training_steps(study, config)
+
+
+TRAINING_STEPS = "training_steps"
+
+
+def pin_training_steps(study: optuna.Study, config: StudyConfig) -> None:
+    """Under a budget of trainings, the steps of one full training (`max_steps`), fixed by
+    the first worker: N trainings are N x that many steps, which a worker whose trials train
+    more or fewer would count otherwise (it is refused in one line)."""
+    pinned = study.user_attrs.get(TRAINING_STEPS)
+    if pinned is None:
+        pinned = config.max_steps()
+        study.set_user_attr(TRAINING_STEPS, pinned)
+    if pinned != config.max_steps():
+        what = ("data.cv_folds" if config.data.cv_folds is not None
+                else "search_space.epochs" if config.search_space.epochs is not None
+                else "training.epochs")
+        raise ConfigError(
+            f"{what}: study '{study.study_name}' counts full trainings of {pinned} steps "
+            f"(fixed when its first worker joined), this file's of {config.max_steps()}: "
+            "workers sharing a budget of trainings must train alike (or set study.budget: "
+            "trials in a new study)")
 
 
 LIVENESS = "liveness"
