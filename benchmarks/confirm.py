@@ -70,12 +70,16 @@ def main() -> None:
     parser.add_argument("--replay", type=Path, required=True)
     parser.add_argument("--variant", required=True, help="hpo's label in both files")
     parser.add_argument("--peer", default="expert")
+    parser.add_argument("--replay-policy", default=None,
+                        help="hpo's name in --replay when it differs from --variant (a "
+                             "replay run at hpo's default names it `hpo`)")
     args = parser.parse_args()
     real = real_differences(json.loads(args.real.read_text()), args.variant, args.peer)
     if not real:
         raise SystemExit(f"no seed has both hpo's {args.variant} and the {args.peer} on one "
                          f"machine in {args.real}")
-    guess = predicted(json.loads(args.replay.read_text()), args.variant, args.peer)
+    guess = predicted(json.loads(args.replay.read_text()), args.replay_policy or args.variant,
+                      args.peer)
     low, high = interval(list(real.values()))
     print(f"{args.variant} - {args.peer}, final validation macro-F1, per seed: "
           + ", ".join(f"{seed}: {d:+.4f}" for seed, d in real.items()))
