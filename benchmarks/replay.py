@@ -75,7 +75,7 @@ from tables import Costs, Curve, Point
 
 from hpo import config as config_module
 from hpo import study_files
-from hpo.search import artifacts, centre
+from hpo.search import artifacts
 from hpo.search.pausing import PAUSED_AT
 from hpo.search.pruning import rung_key
 from hpo.search.study import PerTrialSeeded, make_pruner, make_sampler, trial_seed
@@ -902,12 +902,8 @@ def hpo_policy(config: config_module.StudyConfig, ground: Ground, seed: int, nam
     rule. `costs_of` names the tool whose measured costs it pays."""
     config = with_overrides(config, f"study.sampler.seed={seed}")
     study = new_study(seed, make_sampler(config), make_pruner(config))
-    queued = [dict(params) for params in config.study.enqueue]
-    if not queued and config.study.sampler.centre_first:  # as `study.seed_queue` does
-        queued = [centre.of_space(config.search_space) if ground.demo
-                  else centre.of_distributions(ground.table.space)]
-    for params in queued:
-        study.enqueue_trial(params, skip_if_exists=True)
+    for params in config.study.enqueue:
+        study.enqueue_trial(dict(params), skip_if_exists=True)
     value = best if config.study.objective_epoch == "best" else last
     if ground.demo:
         pinned = pinned_space(config, ground.table)
@@ -939,10 +935,8 @@ def hpo_search(config: config_module.StudyConfig, ground: Ground, seed: int, nam
     return promoting(policy, config, name, eager=True) if config.study.pruner.pause else policy
 
 
-# Optuna's own rule, hpo's before issue 63: a stopped trial ends, `--n-trials N` counts trials,
-# and the search starts at a random draw, not at the space's centre.
-OPTUNA_COUNT = ("study.pruner.pause=false", "study.budget=trials",
-                "study.sampler.centre_first=false")
+# Optuna's own rule, hpo's before issue 63: a stopped trial ends, `--n-trials N` counts trials.
+OPTUNA_COUNT = ("study.pruner.pause=false", "study.budget=trials")
 
 
 def as_expert(study: config_module.StudyConfig) -> config_module.StudyConfig:

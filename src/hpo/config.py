@@ -243,10 +243,6 @@ class SamplerConfig(_Section):
     that end the random start-up, as the stop it replaces would. Off: in the replay it gave
     one worker less regret over time and two or more a worse final model on LCBench
     (benchmarks/README.md, "TPE's start-up under pausing")."""
-    centre_first: bool = False
-    """Run the centre of the search space first, where the study file enqueues nothing
-    (`hpo.search.centre`: each range's midpoint, each list of numbers' middle entry, each
-    list of names' first)."""
     paused_as_pruned_from: Annotated[float, Field(ge=0, le=1)] | None = 0.5
     """TPE: read a trial paused at a rung (`pruner.pause`) as the PRUNED trial stopping would
     have made of it (ranked by how far it got and what it reported there) rather than as one

@@ -17,7 +17,7 @@ from hpo.config import ADAPTER_RATE, SearchSpace, StudyConfig
 from hpo.data.splits import Splits, fingerprint
 from hpo.errors import ConfigError, DataError
 from hpo.hardware import Device
-from hpo.search import budget, centre, pruning, release
+from hpo.search import budget, pruning, release
 from hpo.search.paused_view import PausedAsPruned
 from hpo.search.resilience import ResilientRDBStorage
 from hpo.search.startup import PausedCountStartup
@@ -187,16 +187,13 @@ QUEUED = "enqueued"
 
 def seed_queue(study: optuna.Study, storage: ResilientRDBStorage, config: StudyConfig) -> int:
     """Enqueue the study file's `enqueue` parameter sets, then the best trials of
-    `warm_start_from`, or else the centre of the space (`sampler.centre_first`), once in the
-    study's life (its first join, under the study lock): every worker joins, but the fleet
-    runs each set once. Returns how many were enqueued."""
+    `warm_start_from`, once in the study's life (its first join, under the study lock):
+    every worker joins, but the fleet runs each set once. Returns how many were enqueued."""
     if study.user_attrs.get(QUEUED) is not None:
         return 0
     queued = [dict(params) for params in config.study.enqueue]
     if config.study.warm_start_from:
         queued += warm_start(storage, config)
-    if not queued and config.study.sampler.centre_first:
-        queued = [centre.of_space(config.search_space)]
     for params in queued:
         study.enqueue_trial(params, skip_if_exists=True)
     study.set_user_attr(QUEUED, len(queued))
