@@ -998,8 +998,8 @@ def shared_tpe(seed: int, startup: int) -> optuna.samplers.BaseSampler:
     hpo's and the random search's draw in the same world (common random numbers): the luck
     of the first draws, which decides most of the early regret, no longer differs between
     the policies compared (benchmarks/README.md, "Shared start-up draws")."""
-    return PerTrialSeeded(lambda number: optuna.samplers.TPESampler(
-        seed=trial_seed(seed, number), n_startup_trials=startup))
+    return PerTrialSeeded(tpe_speed.one_search_space(lambda number: optuna.samplers.TPESampler(
+        seed=trial_seed(seed, number), n_startup_trials=startup)))
 
 
 def builders(ground: Ground, seed: int, own_draws: bool = False

@@ -8,6 +8,9 @@ import optuna
 import pytest
 import tpe_speed
 from optuna.samplers._tpe import _truncnorm
+from optuna.search_space import IntersectionSearchSpace
+
+from hpo.search.study import PerTrialSeeded, trial_seed
 
 
 @pytest.fixture
@@ -58,3 +61,53 @@ def test_a_tpe_search_suggests_the_same_with_either(installed):
     # The same search: the integers chosen alike, the floats to rounding (last bits differ).
     assert [n for _, n in fast] == [n for _, n in exact]
     assert [x for x, _ in fast] == pytest.approx([x for x, _ in exact], rel=1e-12)
+
+
+def test_a_tpe_still_keeps_its_intersection_search_space_under_the_private_name():
+    sampler = optuna.samplers.TPESampler(seed=0)
+    assert isinstance(sampler._search_space, IntersectionSearchSpace)
+    shared = tpe_speed.one_search_space(lambda n: optuna.samplers.TPESampler(seed=n))
+    first, second = shared(0), shared(1)
+    assert first._search_space is second._search_space
+    study = optuna.create_study()
+    for _ in range(3):
+        trial = study.ask()
+        trial.suggest_float("x", 0.0, 1.0)
+        study.tell(trial, 0.5)
+    calls = []
+    real = first._search_space.calculate
+    first._search_space.calculate = lambda *a: calls.append(a) or real(*a)
+    trial = study.ask()
+    assert second.infer_relative_search_space(study, study.trials[-1]) == {
+        "x": optuna.distributions.FloatDistribution(0.0, 1.0)}
+    assert calls  # the TPE asked the shared space, not one of its own
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def test_per_trial_samplers_sharing_one_search_space_draw_as_those_that_do_not():
+    """Several trials running at once, some pruned, a parameter only some trials have: the
+    cases Optuna's incremental cache must get right for the draws to be the same."""
+    def suggestions(make) -> list[tuple]:
+        study = optuna.create_study(sampler=PerTrialSeeded(make))
+        out, running = [], []
+        for k in range(90):
+            trial = study.ask()
+            x = trial.suggest_float("x", 1e-5, 1e-2, log=True)
+            n = trial.suggest_int("n", 1, 64)
+            c = trial.suggest_categorical("c", ["a", "b"])
+            y = trial.suggest_float("y", 0.0, 1.0) if c == "a" else 0.0
+            running.append((trial, (math.log10(x) + 3) ** 2 + (n - 20) ** 2 / 100 + y))
+            out.append((x, n, c, y))
+            if k % 3 == 2:  # three at a time, told oldest first, every fifth pruned
+                for j, (t, value) in enumerate(running):
+                    if (k + j) % 5 == 0:
+                        study.tell(t, state=optuna.trial.TrialState.PRUNED)
+                    else:
+                        study.tell(t, value)
+                running = []
+        return out
+
+    def fresh(n: int) -> optuna.samplers.TPESampler:
+        return optuna.samplers.TPESampler(seed=trial_seed(7, n), n_startup_trials=10)
+
+    assert suggestions(tpe_speed.one_search_space(fresh)) == suggestions(fresh)
