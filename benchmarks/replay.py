@@ -53,6 +53,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import warnings
@@ -1324,14 +1325,23 @@ def recorded(result: dict, key: str) -> Any:
     return result.get(key, BEFORE.get(key))
 
 
-def merge(results: list[dict]) -> dict:
+def merge(results: list[dict], keep: frozenset[int] | None = None) -> dict:
     """One output from chunks of one setting's worlds (`--first-seed`, `--horizons-from`):
-    the worlds together in seed order, the figures computed over all of them."""
+    the worlds together in seed order, the figures computed over all of them. `keep`: only
+    these worlds, as where each world's policies must come from one CPU kind (the outputs
+    of two kinds split by world, benchmarks/README.md "CPU kinds")."""
     first = results[0]
     for other in results[1:]:
         differs = [key for key in SAME if recorded(other, key) != recorded(first, key)]
         if differs:
             raise SystemExit(f"cannot merge: the outputs differ in {differs[0]}")
+    if keep is not None:
+        results = [{**r, "repetitions_data": [w for w in r["repetitions_data"]
+                                              if w["world"]["seed"] in keep]}
+                   for r in results]
+        results = [r for r in results if r["repetitions_data"]]
+        if not results:
+            raise SystemExit("cannot merge: none of the worlds kept is in the outputs")
     reps = sorted((w for r in results for w in r["repetitions_data"]),
                   key=lambda w: w["world"]["seed"])
     seeds = [w["world"]["seed"] for w in reps]
@@ -1520,6 +1530,20 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def world_set(text: str) -> frozenset[int]:
+    """`1-22,36,70-84`: a set of worlds (seeds), as --worlds takes it."""
+    worlds: set[int] = set()
+    for part in text.split(","):
+        found = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if found is None:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a world or A-B")
+        first, last = int(found[1]), int(found[2] or found[1])
+        if last < first:
+            raise argparse.ArgumentTypeError(f"{part!r}: A-B with A <= B")
+        worlds.update(range(first, last + 1))
+    return frozenset(worlds)
+
+
 def parser() -> argparse.ArgumentParser:
     found = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     found.add_argument("--table", type=Path, nargs="+", default=[TABLE],
@@ -1564,6 +1588,8 @@ def parser() -> argparse.ArgumentParser:
     found.add_argument("--merge", type=Path, nargs="+", metavar="OUTPUT.json",
                        help="write to --output these outputs' worlds as one (chunks of one "
                        "setting, disjoint seeds)")
+    found.add_argument("--worlds", type=world_set, metavar="A-B[,C...]",
+                       help="with --merge: only these worlds (seeds)")
     found.add_argument("--join", type=Path, nargs="+", metavar="OUTPUT.json",
                        help="write to --output these outputs' policies as one (runs of the "
                        "same worlds, different policies)")
@@ -1591,10 +1617,12 @@ def main(argv: list[str] | None = None) -> None:
         print(render_blocks(args.render, args.blocks) if args.blocks
               else render(args.render, args.plot))
         return
+    if args.worlds is not None and not args.merge:
+        parser().error("--worlds goes with --merge")
     if args.merge:
         if args.output is None:
             parser().error("--merge needs --output")
-        merged = merge([json.loads(p.read_text()) for p in args.merge])
+        merged = merge([json.loads(p.read_text()) for p in args.merge], args.worlds)
         args.output.write_text(json.dumps(merged, separators=(",", ":")))
         print(f"{merged['repetitions']} worlds from {len(args.merge)} outputs in {args.output}")
         return

@@ -4,6 +4,7 @@ the simulation gives can be worked out by hand."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass, field
@@ -465,6 +466,23 @@ def test_chunks_of_worlds_at_the_whole_runs_horizons_merge_into_the_whole_run(tm
     other = main_run(tmp_path, *common, "--repetitions", "1", "--first-seed", "9")
     with pytest.raises(SystemExit, match="differ in horizons"):
         replay.merge([whole, other])
+    # Worlds 0-1 of the whole run and the chunk of worlds 2-3: the whole run again.
+    replay.main(["--merge", str(tmp_path / "whole.json"), str(chunks[0]), "--worlds", "0-1",
+                 "--worlds", "0,1", "--output", str(tmp_path / "kept.json")])
+    kept = json.loads((tmp_path / "kept.json").read_text())
+    assert kept["repetitions_data"] == whole["repetitions_data"][:2]
+    with pytest.raises(SystemExit, match="a world is in two outputs"):
+        # worlds 2-3 in both: --worlds must leave each world to one output
+        replay.merge([whole, json.loads(chunks[0].read_text())], frozenset({0, 1, 2, 3}))
+    assert replay.merge([json.loads(chunks[1].read_text()), json.loads(chunks[0].read_text())],
+                        frozenset({3, 0}))["repetitions_data"] == [
+        whole["repetitions_data"][0], whole["repetitions_data"][3]]
+    with pytest.raises(SystemExit, match="none of the worlds kept"):
+        replay.merge([whole], frozenset({7}))
+    assert replay.world_set("1-3, 7,9-9") == {1, 2, 3, 7, 9}
+    for bad in ("3-1", "x", "-2", "1-"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            replay.world_set(bad)
 
 
 def test_runs_of_the_same_worlds_with_other_policies_join_into_the_whole_run(tmp_path):
