@@ -1348,8 +1348,7 @@ def merge(results: list[dict], keep: frozenset[int] | None = None) -> dict:
     if len(set(seeds)) != len(seeds):
         raise SystemExit("cannot merge: a world is in two outputs")
     return {**first, "repetitions": len(reps), "first_seed": seeds[0],
-            "machines": sorted({r["machine"] for r in results}),
-            **figures(reps, first["policies"])}
+            "machines": machines(results), **figures(reps, first["policies"])}
 
 
 def join(results: list[dict], renames: dict[str, str]) -> dict:
@@ -1387,7 +1386,12 @@ def join(results: list[dict], renames: dict[str, str]) -> dict:
                         "best": max(e["best"] for e in ends)}
         reps.append(rep)
     return {**first, "policies": names, "joined": {"outputs": len(results), "renames": renames},
-            "machines": sorted({r["machine"] for r in results}), **figures(reps, names)}
+            "machines": machines(results), **figures(reps, names)}
+
+
+def machines(results: list[dict]) -> list[str]:
+    """The CPU kinds the outputs' worlds were searched on, merged or joined ones included."""
+    return sorted({m for r in results for m in r.get("machines", [r["machine"]])})
 
 
 def alike(one: dict, other: dict) -> bool:

@@ -471,6 +471,10 @@ def test_chunks_of_worlds_at_the_whole_runs_horizons_merge_into_the_whole_run(tm
                  "--worlds", "0,1", "--output", str(tmp_path / "kept.json")])
     kept = json.loads((tmp_path / "kept.json").read_text())
     assert kept["repetitions_data"] == whole["repetitions_data"][:2]
+    elsewhere = {**json.loads(chunks[0].read_text()), "machine": "another CPU"}
+    again = replay.merge([kept, elsewhere])
+    assert again["repetitions_data"] == whole["repetitions_data"]
+    assert again["machines"] == sorted([whole["machine"], "another CPU"])
     with pytest.raises(SystemExit, match="a world is in two outputs"):
         # worlds 2-3 in both: --worlds must leave each world to one output
         replay.merge([whole, json.loads(chunks[0].read_text())], frozenset({0, 1, 2, 3}))
