@@ -365,6 +365,34 @@ def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_oversh
     assert "trial 0 given back" in display.messages[0]
 
 
+
+def test_a_worker_whose_lock_an_outage_cuts_while_it_counts_takes_the_lock_again(
+        pg_url, monkeypatch):
+    """An outage (a restart, a failover) that ends the study lock's session between taking
+    the lock and counting the study costs the worker that round, not its life."""
+    import sqlalchemy
+    from postgres import _execute
+
+    from hpo.search import budget
+
+    storage = open_storage(pg_url)
+    study = optuna.create_study(study_name="w", storage=storage)
+    counted, cut = budget.count_in_database, []
+
+    def count_cut_once(connection, study_id):
+        if not cut:
+            cut.append(connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar())
+            _execute(pg_url, f"select pg_terminate_backend({cut[0]})")
+        return counted(connection, study_id)
+
+    monkeypatch.setattr(budget, "count_in_database", count_cut_once)
+    try:
+        result = run_worker(study, storage, ending_in(TrialState.COMPLETE), Quiet(), Limits(3))
+        assert cut and (result.ran, result.finished) == (3, 3)
+    finally:
+        storage.engine.dispose()
+
+
 def test_no_trial_reads_the_test_split(tmp_path, tiny_model, small_data, monkeypatch):
     """Every text the tokenizers of a search see is a training or validation post: the test
     split is left for `hpo final`. The check, the batch probes and the trials all run."""

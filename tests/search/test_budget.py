@@ -189,3 +189,49 @@ def test_a_lock_whose_connection_died_is_known_lost_and_free_for_others(pg_url):
                 other.dispose()
     finally:
         engine.dispose()
+
+
+def _cut(pg_url: str, connection: sqlalchemy.Connection) -> None:
+    """End `connection`'s server session from another, as a server restart or a failover
+    does: its holder learns of it on its next statement."""
+    from postgres import _execute
+
+    pid = connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar()
+    _execute(pg_url, f"select pg_terminate_backend({pid})")
+
+
+def test_a_section_cut_off_under_the_lock_runs_again_under_the_lock_taken_again(pg_url):
+    engine = sqlalchemy.create_engine(pg_url)
+    sessions: list[int] = []
+
+    def section(connection: sqlalchemy.Connection) -> bool:
+        sessions.append(connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar())
+        if len(sessions) == 1:
+            _cut(pg_url, connection)
+        connection.execute(sqlalchemy.text("select 1"))
+        return budget.lock_held(connection)
+
+    try:
+        assert budget.under_lock(engine, "s", section)
+        assert len(sessions) == 2 and sessions[0] != sessions[1]
+        with pytest.raises(ZeroDivisionError):  # anything but a lost connection is raised
+            budget.under_lock(engine, "s", lambda connection: 1 / 0)
+    finally:
+        engine.dispose()
+
+
+def test_a_read_cut_off_is_made_again_on_a_new_connection(pg_url):
+    engine = sqlalchemy.create_engine(pg_url)
+    sessions: list[int] = []
+
+    def query(connection: sqlalchemy.Connection) -> int:
+        sessions.append(connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar())
+        if len(sessions) == 1:
+            _cut(pg_url, connection)
+        return connection.execute(sqlalchemy.text("select 7")).scalar()
+
+    try:
+        assert budget.read(engine, query) == 7
+        assert len(sessions) == 2
+    finally:
+        engine.dispose()

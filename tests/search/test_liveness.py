@@ -157,6 +157,34 @@ def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(ou
     assert not idle.trusts_heartbeats()
 
 
+
+def test_a_reaper_cut_off_while_it_reads_heartbeats_judges_nothing_it_read_after(
+        outage_pair, monkeypatch):
+    """The outage begins in the reaper's own read of the heartbeats: the read waits it out,
+    and what it reads then, every heartbeat stopped by the outage, is not judged."""
+    import threading
+
+    from hpo.search import budget
+
+    server, live, study, reaper, watched, study_id = outage_pair
+    trial = study.ask()
+    stale_ids, began = budget.stale_trial_ids, []
+
+    def outage_begins(connection, *args):
+        if not began:
+            began.append(server.stop())
+            threading.Timer(6.0, server.start_again).start()
+        return stale_ids(connection, *args)
+
+    with heartbeat(live, LiveTrial(trial)):
+        time.sleep(3.5)
+        assert reaper.trusts_heartbeats()
+        monkeypatch.setattr(budget, "stale_trial_ids", outage_begins)
+        reap(watched, reaper, study_id)
+        assert not reaper.trusts_heartbeats()
+        assert [t.state for t in watched.get_trials()] == [TrialState.RUNNING]
+
+
 def test_a_dead_workers_running_trial_fails_at_once_with_one_retry_copy(storage):
     """What the launcher does for a worker it saw die (`hpo run --workers`): the trials the
     worker left RUNNING fail now, each with one waiting copy; other workers' trials and its

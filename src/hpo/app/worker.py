@@ -28,7 +28,7 @@ from hpo.errors import WorkerStopped
 from hpo.outcome import GivenBack, Outcome
 from hpo.search import artifacts, budget, pausing
 from hpo.search.liveness import heartbeat, reap
-from hpo.search.resilience import ResilientRDBStorage
+from hpo.search.resilience import ResilientRDBStorage, is_connection_error
 from hpo.search.study import (
     decide_precisions,
     finished_count,
@@ -110,8 +110,9 @@ def prepare_worker(site: Prepared, display: ConsoleDisplay, orders: Orders) -> W
 
 def budget_left(study: optuna.Study, storage: ResilientRDBStorage, limits: Limits) -> bool:
     study_id = storage.get_study_id_from_name(study.study_name)
-    with budget.study_lock(storage.engine, study.study_name) as connection:
-        return not standing(connection, study_id, limits).done(limits)
+    now = budget.under_lock(storage.engine, study.study_name,
+                            lambda connection: standing(connection, study_id, limits))
+    return not now.done(limits)
 
 
 def work(site: Prepared, orders: Orders) -> None:
@@ -249,6 +250,18 @@ def standing(connection: sqlalchemy.Connection, study_id: int, limits: Limits) -
     return Standing(counts, limits.trainings.room(trained), limits.trainings.spent(trained))
 
 
+def _standing_or_cut(connection: sqlalchemy.Connection, study_id: int,
+                     limits: Limits) -> Standing | None:
+    """The standing read on the study lock's `connection`; None where an outage took that
+    connection, and the lock with it."""
+    try:
+        return standing(connection, study_id, limits)
+    except sqlalchemy.exc.SQLAlchemyError as cut:
+        if not is_connection_error(cut):
+            raise
+        return None
+
+
 @dataclass(frozen=True)
 class WorkerResult:
     ran: int  # trials this worker ran
@@ -344,12 +357,17 @@ def _claim_stands(study: optuna.Study, storage: ResilientRDBStorage, trial: optu
         with budget.study_lock(storage.engine, study.study_name):
             return pausing.holds(storage, trial._trial_id, resumed)
     study_id = storage.get_study_id_from_name(study.study_name)
-    with budget.study_lock(storage.engine, study.study_name) as connection:
+
+    def judge(connection: sqlalchemy.Connection) -> bool:
         now = standing(connection, study_id, limits)
         if (now.counts.started <= limits.n_trials if limits.trainings is None
                 else now.room >= 0):
             return True
         give_back(study, trial, GivenBack(LOST_LOCK_CLAIM))
+        return False
+
+    if budget.under_lock(storage.engine, study.study_name, judge):
+        return True
     display.message(f"trial {trial.number} given back: the study lock was lost while it was "
                      f"claimed and the budget would overshoot")
     return False
@@ -441,15 +459,16 @@ def run_worker(study: optuna.Study, storage: ResilientRDBStorage, run_trial: Tri
     last_reap = -math.inf
     pace: Pace | None = None
     while True:
-        # Reaping reads every running trial's heartbeat: once per heartbeat interval is
-        # enough, since nothing can turn stale faster than that. Not within a grace period
-        # of this worker's start or its last lost contact: the heartbeats it would judge may
-        # have stopped in the same outage.
+        # Reaping reads every running trial's heartbeat: once per interval is enough. Not
+        # within a grace period of this worker's start or its last lost contact: the
+        # heartbeats it would judge may have stopped in the same outage.
         if time.monotonic() - last_reap >= reap_every and storage.trusts_heartbeats():
             reap(study, storage, study_id)
             last_reap = time.monotonic()
         with budget.study_lock(storage.engine, study.study_name) as connection:
-            now = standing(connection, study_id, limits)
+            now = _standing_or_cut(connection, study_id, limits)
+            if now is None:
+                continue  # taking the lock again waits the outage out
             counts = now.counts
             pace = pace or Pace(time.monotonic(),
                                 counts.finished if now.spent is None else now.spent)

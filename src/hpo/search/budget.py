@@ -20,9 +20,10 @@ import fcntl
 import json
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import optuna
 import sqlalchemy
@@ -43,6 +44,8 @@ from hpo.search.pausing import PAUSED_AT, RETRAINED
 from hpo.search.resilience import OUTAGE_SECONDS, retrying
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,32 @@ def _locked(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.C
         lock = _process_lock
     with lock, retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock") as connection:
         yield connection
+
+
+
+def under_lock(engine: sqlalchemy.Engine, study_name: str,
+               section: Callable[[sqlalchemy.Connection], T]) -> T:
+    """`section` run under the study lock with the lock's connection, and run again from
+    its start, under the lock taken again once the database is back, where an outage cuts
+    that connection (and the lock with it) while it runs. So `section` reads before it
+    writes, and writes only through storage calls, which wait out an outage on their own."""
+
+    def once() -> T:
+        with study_lock(engine, study_name) as connection:
+            return section(connection)
+
+    return retrying(once, seconds=OUTAGE_SECONDS, what="lock")
+
+
+def read(engine: sqlalchemy.Engine, query: Callable[[sqlalchemy.Connection], T]) -> T:
+    """`query` made on a connection of its own, and made again through an outage, as a
+    storage call is (`resilience`)."""
+
+    def once() -> T:
+        with engine.connect() as connection:
+            return query(connection)
+
+    return retrying(once, seconds=OUTAGE_SECONDS, what="read")
 
 
 _process_lock = threading.Lock()

@@ -113,10 +113,16 @@ def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> N
     # A resumed trial whose worker went silent goes back to paused at its checkpoint
     # (`pausing`), before Optuna's reaper would fail it and queue a copy from scratch: judged
     # an interval early, so that none turns stale between the two.
-    with storage.engine.connect() as connection:
-        stale = budget.stale_trial_ids(connection, study_id, grace - interval)
+    # Each read below waits out an outage, which stops every heartbeat: what it reads then
+    # is judged only with contact unbroken since, that is at a later reap.
+    stale = budget.read(storage.engine, lambda connection: budget.stale_trial_ids(
+        connection, study_id, grace - interval))
+    if not storage.trusts_heartbeats():
+        return
     for trial_id in stale:
         pausing.put_back(study, storage, storage.engine, trial_id)
+    if not storage.trusts_heartbeats():
+        return
     with warnings.catch_warnings():
         # Optuna 5 marks heartbeats experimental; they are its documented way to reap.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -126,8 +132,10 @@ def _reap(study: optuna.Study, storage: ResilientRDBStorage, study_id: int) -> N
     # the grace period (Optuna's default where none was set: two intervals). A paused trial
     # has no heartbeat by design.
     started_before = datetime.datetime.now() - datetime.timedelta(seconds=grace)
-    with storage.engine.connect() as connection:
-        unbeaten = budget.unbeaten_trial_ids(connection, study_id, started_before)
+    unbeaten = budget.read(storage.engine, lambda connection: budget.unbeaten_trial_ids(
+        connection, study_id, started_before))
+    if not storage.trusts_heartbeats():
+        return
     retry = storage.get_heartbeat_stale_trial_callback()
     for trial_id in unbeaten:
         if pausing.is_paused(storage.get_trial(trial_id)) or pausing.repause(

@@ -51,6 +51,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optuna_dashboard import save_note
 
 from hpo.search.pruning import rung_key
+from hpo.search.resilience import OUTAGE_SECONDS, retrying
 
 if TYPE_CHECKING:
     import torch
@@ -168,12 +169,17 @@ def _forget(engine: sqlalchemy.Engine, trial_id: int, checkpoint: dict[str, Any]
     beats, values = TrialHeartbeatModel.__table__, TrialIntermediateValueModel.__table__
     attrs = TrialSystemAttributeModel.__table__
     later = [rung_key(k) for k in range(checkpoint.get("rung", -1) + 1, MAX_RUNGS)]
-    with engine.begin() as connection:
-        connection.execute(sqlalchemy.delete(beats).where(beats.c.trial_id == trial_id))
-        connection.execute(sqlalchemy.delete(values).where(
-            values.c.trial_id == trial_id, values.c.step > checkpoint["step"]))
-        connection.execute(sqlalchemy.delete(attrs).where(
-            attrs.c.trial_id == trial_id, attrs.c.key.in_(later)))
+
+    def delete() -> None:
+        with engine.begin() as connection:
+            connection.execute(sqlalchemy.delete(beats).where(beats.c.trial_id == trial_id))
+            connection.execute(sqlalchemy.delete(values).where(
+                values.c.trial_id == trial_id, values.c.step > checkpoint["step"]))
+            connection.execute(sqlalchemy.delete(attrs).where(
+                attrs.c.trial_id == trial_id, attrs.c.key.in_(later)))
+
+    # One transaction, so made again whole through an outage, as a storage call is.
+    retrying(delete, seconds=OUTAGE_SECONDS, what="put back")
 
 
 def claim(storage: optuna.storages.BaseStorage, trial_id: int, worker: str) -> str | None:
