@@ -133,7 +133,9 @@ def test_unreachable_storage_hides_the_password(study_file):
                  env={"HPO_STORAGE_WAIT": "2"})
     check_bad_input(result, "cannot be opened after", "127.0.0.1:1")
     assert "s3cr3t-pw" not in result.stderr + result.stdout
-    assert time.monotonic() - started < 60
+    # A bound on hanging, not a speed goal: waiting out an outage (300 s) instead of the 2 s
+    # start-up wait would cross it; a loaded CI machine's start-up (73 s seen) should not.
+    assert time.monotonic() - started < 150
 
 
 def test_unreachable_storage_from_environment(study_file):
