@@ -365,7 +365,6 @@ def test_a_claim_made_while_the_lock_was_lost_is_given_back_if_the_budget_oversh
     assert "trial 0 given back" in display.messages[0]
 
 
-
 def test_a_worker_whose_lock_an_outage_cuts_while_it_counts_takes_the_lock_again(
         pg_url, monkeypatch):
     """An outage (a restart, a failover) that ends the study lock's session between taking

@@ -191,13 +191,15 @@ def test_a_lock_whose_connection_died_is_known_lost_and_free_for_others(pg_url):
         engine.dispose()
 
 
-def _cut(pg_url: str, connection: sqlalchemy.Connection) -> None:
-    """End `connection`'s server session from another, as a server restart or a failover
-    does: its holder learns of it on its next statement."""
+def _cut_first(pg_url: str, connection: sqlalchemy.Connection, sessions: list[int]) -> None:
+    """Note `connection`'s server session in `sessions`; the first one, end it from another
+    connection, as a server restart or a failover does: its holder learns of it on its next
+    statement."""
     from postgres import _execute
 
-    pid = connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar()
-    _execute(pg_url, f"select pg_terminate_backend({pid})")
+    sessions.append(connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar())
+    if len(sessions) == 1:
+        _execute(pg_url, f"select pg_terminate_backend({sessions[0]})")
 
 
 def test_a_section_cut_off_under_the_lock_runs_again_under_the_lock_taken_again(pg_url):
@@ -205,9 +207,7 @@ def test_a_section_cut_off_under_the_lock_runs_again_under_the_lock_taken_again(
     sessions: list[int] = []
 
     def section(connection: sqlalchemy.Connection) -> bool:
-        sessions.append(connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar())
-        if len(sessions) == 1:
-            _cut(pg_url, connection)
+        _cut_first(pg_url, connection, sessions)
         connection.execute(sqlalchemy.text("select 1"))
         return budget.lock_held(connection)
 
@@ -225,9 +225,7 @@ def test_a_read_cut_off_is_made_again_on_a_new_connection(pg_url):
     sessions: list[int] = []
 
     def query(connection: sqlalchemy.Connection) -> int:
-        sessions.append(connection.execute(sqlalchemy.text("select pg_backend_pid()")).scalar())
-        if len(sessions) == 1:
-            _cut(pg_url, connection)
+        _cut_first(pg_url, connection, sessions)
         return connection.execute(sqlalchemy.text("select 7")).scalar()
 
     try:

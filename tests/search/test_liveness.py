@@ -157,7 +157,6 @@ def test_an_idle_reaper_that_waited_out_an_outage_for_the_lock_does_not_judge(ou
     assert not idle.trusts_heartbeats()
 
 
-
 def test_a_reaper_cut_off_while_it_reads_heartbeats_judges_nothing_it_read_after(
         outage_pair, monkeypatch):
     """The outage begins in the reaper's own read of the heartbeats: the read waits it out,

@@ -233,7 +233,6 @@ def _locked(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.C
         yield connection
 
 
-
 def under_lock(engine: sqlalchemy.Engine, study_name: str,
                section: Callable[[sqlalchemy.Connection], T]) -> T:
     """`section` run under the study lock with the lock's connection, and run again from
