@@ -46,6 +46,8 @@ def test_defaults_and_name(tmp_path):
          "fp_precision is auto in the search space: leave it out"),
         (lambda d: d["study"]["sampler"].update(group=True, multivariate=False),
          "sampler.group needs sampler.multivariate: true"),
+        (lambda d: d["study"]["sampler"].update(startup_min_complete=2),
+         "sampler.startup_min_complete needs sampler.startup_counts_paused: true"),
     ],
 )
 def test_invalid_files_name_the_key(tmp_path, change, message):

@@ -243,6 +243,10 @@ class SamplerConfig(_Section):
     that end the random start-up, as the stop it replaces would. Off: in the replay it gave
     one worker less regret over time and two or more a worse final model on LCBench
     (benchmarks/README.md, "TPE's start-up under pausing")."""
+    startup_min_complete: Annotated[int, Field(ge=0)] | Literal["workers"] = 0
+    """TPE, with `startup_counts_paused`: the random start-up also lasts until this many
+    trials have ended COMPLETE, so TPE does not start from one or two results; `workers`:
+    as many as there are workers (the trials training when it samples, itself included)."""
     paused_as_pruned_from: Annotated[float, Field(ge=0, le=1)] | None = 0.5
     """TPE: read a trial paused at a rung (`pruner.pause`) as the PRUNED trial stopping would
     have made of it (ranked by how far it got and what it reported there) rather than as one
@@ -255,6 +259,9 @@ class SamplerConfig(_Section):
     def _group(self) -> SamplerConfig:
         if self.group and not self.multivariate:
             raise ValueError("sampler.group needs sampler.multivariate: true")
+        if self.startup_min_complete and not self.startup_counts_paused:
+            raise ValueError("sampler.startup_min_complete needs sampler.startup_counts_paused:"
+                             " true")
         return self
 
 

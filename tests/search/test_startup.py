@@ -4,7 +4,7 @@ import optuna
 import pytest
 
 from hpo.search.pausing import PAUSED_AT
-from hpo.search.startup import PausedCountStartup
+from hpo.search.startup import WORKERS, PausedCountStartup
 from hpo.search.study import PerTrialSeeded, make_sampler
 from hpo.study_files import load
 
@@ -54,6 +54,30 @@ def test_paused_trials_count_toward_the_start_up_and_running_ones_do_not(paused,
     assert wrapped().started(study, study.trials[trial.number]) is started
 
 
+@pytest.mark.parametrize(("paused", "ended", "min_complete", "started"), [
+    (N - 1, 1, 1, True), (N - 1, 1, 2, False),  # enough trials decided, too few complete
+    (N - 2, 2, 2, True), (0, N, N, True), (N, 0, 1, False),
+])
+def test_the_start_up_also_waits_for_min_complete_trials(paused, ended, min_complete, started):
+    study = paused_study(paused, 0, ended)
+    trial = study.ask()
+    sampler = PausedCountStartup(optuna.samplers.TPESampler(seed=7, n_startup_trials=0),
+                                 optuna.samplers.RandomSampler(seed=7), N, min_complete)
+    assert sampler.started(study, study.trials[trial.number]) is started
+
+
+@pytest.mark.parametrize(("running", "ended", "started"), [
+    (2, 2, False), (2, 3, True),  # 3 workers: 2 training, 1 sampling
+    (0, 1, True), (0, 0, False),  # 1 worker
+])
+def test_workers_waits_for_as_many_complete_trials_as_trials_training(running, ended, started):
+    study = paused_study(N, running, ended)
+    trial = study.ask()
+    sampler = PausedCountStartup(optuna.samplers.TPESampler(seed=7, n_startup_trials=0),
+                                 optuna.samplers.RandomSampler(seed=7), N, WORKERS)
+    assert sampler.started(study, study.trials[trial.number]) is started
+
+
 def test_a_resumed_trial_no_longer_counts():
     study = paused_study(N, 0, 0)
     study._storage.set_trial_user_attr(study.trials[0]._trial_id, PAUSED_AT, None)
@@ -85,3 +109,9 @@ def test_the_study_file_chooses_it_and_the_default_keeps_plain_tpe(tiny_study):
                       PausedCountStartup)
     assert isinstance(made(plain, "study.sampler.startup_counts_paused=true",
                            "study.sampler.n_startup_trials=0"), optuna.samplers.TPESampler)
+    sampler = made(plain, "study.sampler.startup_counts_paused=true",
+                   "study.sampler.startup_min_complete=3")
+    assert isinstance(sampler, PausedCountStartup) and sampler._min_complete == 3
+    sampler = made(plain, "study.sampler.startup_counts_paused=true",
+                   "study.sampler.startup_min_complete=workers")
+    assert sampler._min_complete == WORKERS

@@ -9,6 +9,11 @@ table of 52-epoch curves, hpo at 20 trials' compute on one worker finished about
 paused trial among the trials that end the start-up, as the stop it replaces would have
 counted; what TPE models once it starts is unchanged (a paused trial is a running one to
 it, its constant liar's). While no trial is paused it draws exactly what the TPE it wraps draws.
+`min_complete` also waits for that many COMPLETE trials: a start-up ended by paused trials
+alone leaves TPE one or two results to model, all of its "good" group, while the trials of
+the other workers count among its poor ones (the constant liar). `WORKERS` waits for as
+many as there are workers, read off the study: the trials training now, paused ones not
+counted (one per worker, the trial being sampled included).
 """
 
 from __future__ import annotations
@@ -22,14 +27,18 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo.search.pausing import is_paused
 
+WORKERS = "workers"
+
 
 class PausedCountStartup(optuna.samplers.BaseSampler):
     """`tpe` (made with `n_startup_trials=0`) once `n_startup_trials` trials have ended or
-    paused; until then `random`, seeded as TPE seeds its own start-up sampler."""
+    paused, `min_complete` of them COMPLETE; until then `random`, seeded as TPE seeds its own
+    start-up sampler."""
 
     def __init__(self, tpe: optuna.samplers.BaseSampler, random: optuna.samplers.RandomSampler,
-                 n_startup_trials: int) -> None:
+                 n_startup_trials: int, min_complete: int | str = 0) -> None:
         self._tpe, self._random, self._n = tpe, random, n_startup_trials
+        self._min_complete = min_complete
         self._warm: tuple[int, bool] | None = None  # (trial number, counted for it)
 
     def started(self, study: optuna.Study, trial: FrozenTrial) -> bool:
@@ -38,7 +47,10 @@ class PausedCountStartup(optuna.samplers.BaseSampler):
             trials = study.get_trials(deepcopy=False, states=(
                 TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
             decided = sum(t.state != TrialState.RUNNING or is_paused(t) for t in trials)
-            self._warm = (trial.number, decided >= self._n)
+            complete = sum(t.state == TrialState.COMPLETE for t in trials)
+            wanted = (len(trials) - decided if self._min_complete == WORKERS
+                      else self._min_complete)
+            self._warm = (trial.number, decided >= self._n and complete >= wanted)
         return self._warm[1]
 
     def infer_relative_search_space(

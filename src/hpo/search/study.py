@@ -64,7 +64,7 @@ def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampl
         tpe = PausedAsPruned(tpe, from_step)
     if counted:
         return PausedCountStartup(tpe, optuna.samplers.RandomSampler(seed=seed),
-                                  sampler.n_startup_trials)
+                                  sampler.n_startup_trials, sampler.startup_min_complete)
     return tpe
 
 
