@@ -246,7 +246,9 @@ class SamplerConfig(_Section):
     startup_min_complete: Annotated[int, Field(ge=0)] | Literal["workers"] = 0
     """TPE, with `startup_counts_paused`: the random start-up also lasts until this many
     trials have ended COMPLETE, so TPE does not start from one or two results; `workers`:
-    as many as there are workers (the trials training when it samples, itself included)."""
+    as many as there are workers (the trials training when it samples, itself included).
+    Off: about 1% less regret over time on the demo for a slightly worse final model
+    (benchmarks/README.md, "A counted start-up that waits for complete trials")."""
     paused_as_pruned_from: Annotated[float, Field(ge=0, le=1)] | None = 0.5
     """TPE: read a trial paused at a rung (`pruner.pause`) as the PRUNED trial stopping would
     have made of it (ranked by how far it got and what it reported there) rather than as one
