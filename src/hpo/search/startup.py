@@ -48,8 +48,8 @@ class PausedCountStartup(optuna.samplers.BaseSampler):
                 TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
             decided = sum(t.state != TrialState.RUNNING or is_paused(t) for t in trials)
             complete = sum(t.state == TrialState.COMPLETE for t in trials)
-            wanted = (len(trials) - decided if self._min_complete == WORKERS
-                      else self._min_complete)
+            wanted = (len(trials) - decided if isinstance(self._min_complete, str)
+                      else self._min_complete)  # str: WORKERS, the config's only one
             self._warm = (trial.number, decided >= self._n and complete >= wanted)
         return self._warm[1]
 
