@@ -258,7 +258,7 @@ class SamplerConfig(_Section):
     None: a paused trial is a running one to TPE."""
 
     @model_validator(mode="after")
-    def _group(self) -> SamplerConfig:
+    def _needs(self) -> SamplerConfig:
         if self.group and not self.multivariate:
             raise ValueError("sampler.group needs sampler.multivariate: true")
         if self.startup_min_complete and not self.startup_counts_paused:

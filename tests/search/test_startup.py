@@ -11,9 +11,9 @@ from hpo.study_files import load
 N = 4
 
 
-def wrapped(seed: int = 7) -> PausedCountStartup:
+def wrapped(seed: int = 7, min_complete: int | str = 0) -> PausedCountStartup:
     return PausedCountStartup(optuna.samplers.TPESampler(seed=seed, n_startup_trials=0),
-                              optuna.samplers.RandomSampler(seed=seed), N)
+                              optuna.samplers.RandomSampler(seed=seed), N, min_complete)
 
 
 def search(sampler: optuna.samplers.BaseSampler, trials: int = 12) -> list[dict]:
@@ -61,9 +61,7 @@ def test_paused_trials_count_toward_the_start_up_and_running_ones_do_not(paused,
 def test_the_start_up_also_waits_for_min_complete_trials(paused, ended, min_complete, started):
     study = paused_study(paused, 0, ended)
     trial = study.ask()
-    sampler = PausedCountStartup(optuna.samplers.TPESampler(seed=7, n_startup_trials=0),
-                                 optuna.samplers.RandomSampler(seed=7), N, min_complete)
-    assert sampler.started(study, study.trials[trial.number]) is started
+    assert wrapped(min_complete=min_complete).started(study, study.trials[trial.number]) is started
 
 
 @pytest.mark.parametrize(("running", "ended", "started"), [
@@ -73,9 +71,7 @@ def test_the_start_up_also_waits_for_min_complete_trials(paused, ended, min_comp
 def test_workers_waits_for_as_many_complete_trials_as_trials_training(running, ended, started):
     study = paused_study(N, running, ended)
     trial = study.ask()
-    sampler = PausedCountStartup(optuna.samplers.TPESampler(seed=7, n_startup_trials=0),
-                                 optuna.samplers.RandomSampler(seed=7), N, WORKERS)
-    assert sampler.started(study, study.trials[trial.number]) is started
+    assert wrapped(min_complete=WORKERS).started(study, study.trials[trial.number]) is started
 
 
 def test_a_resumed_trial_no_longer_counts():
