@@ -256,11 +256,6 @@ class SamplerConfig(_Section):
     any rung; `hpo.search.paused_view`). A late epoch ranks trials as their ends do; an
     early one need not (benchmarks/README.md, "Paused trials shown to TPE as pruned").
     None: a paused trial is a running one to TPE."""
-    rung_model_min_trials: Annotated[int, Field(ge=1)] | None = None
-    """TPE: model only the highest fidelity with at least this many results, each trial by
-    the value it reported there: the COMPLETE trials, else the trials that reached the
-    highest such rung (BOHB's model; `hpo.search.rung_model`). None: TPE models every trial,
-    the stopped ones ranked below the complete ones."""
 
     @model_validator(mode="after")
     def _needs(self) -> SamplerConfig:

@@ -20,7 +20,6 @@ from hpo.hardware import Device
 from hpo.search import budget, pruning, release
 from hpo.search.paused_view import PausedAsPruned
 from hpo.search.resilience import ResilientRDBStorage
-from hpo.search.rung_model import RungModel
 from hpo.search.startup import PausedCountStartup
 from hpo.search.storage import retry_callback
 from hpo.space import PIN_ATTR, PinnedSpace, StepCosts, by_cost, pin
@@ -52,19 +51,14 @@ def _sampler(config: StudyConfig, seed: int | None) -> optuna.samplers.BaseSampl
     if sampler.name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     counted = sampler.startup_counts_paused and sampler.n_startup_trials > 0
-    staged = counted or sampler.rung_model_min_trials is not None
     with warnings.catch_warnings():
         # multivariate, group and constant_liar are "experimental" in Optuna's words only.
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         tpe: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(
-            seed=seed, n_startup_trials=0 if staged else sampler.n_startup_trials,
+            seed=seed, n_startup_trials=0 if counted else sampler.n_startup_trials,
             multivariate=sampler.multivariate, group=sampler.group,
             constant_liar=sampler.constant_liar,
         )
-    if sampler.rung_model_min_trials is not None:
-        tpe = RungModel(tpe, optuna.samplers.RandomSampler(seed=seed),
-                        0 if counted else sampler.n_startup_trials,
-                        sampler.rung_model_min_trials)
     if sampler.paused_as_pruned_from is not None:
         from_step = math.ceil(sampler.paused_as_pruned_from * config.max_steps())
         tpe = PausedAsPruned(tpe, from_step)
