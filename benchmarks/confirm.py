@@ -16,11 +16,11 @@ interval is Student's t over the seeds (few seeds, one number each).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
 
+import stored
 from scipy import stats
 from search_quality import best_by, first_n
 
@@ -74,11 +74,11 @@ def main() -> None:
                         help="hpo's name in --replay when it differs from --variant (a "
                              "replay run at hpo's default names it `hpo`)")
     args = parser.parse_args()
-    real = real_differences(json.loads(args.real.read_text()), args.variant, args.peer)
+    real = real_differences(stored.read(args.real), args.variant, args.peer)
     if not real:
         raise SystemExit(f"no seed has both hpo's {args.variant} and the {args.peer} on one "
                          f"machine in {args.real}")
-    guess = predicted(json.loads(args.replay.read_text()), args.replay_policy or args.variant,
+    guess = predicted(stored.read(args.replay), args.replay_policy or args.variant,
                       args.peer)
     low, high = interval(list(real.values()))
     print(f"{args.variant} - {args.peer}, final validation macro-F1, per seed: "

@@ -65,6 +65,7 @@ from typing import Any, Protocol
 import optuna
 import peer_syne
 import replay_lcbench
+import stored
 import tables
 import tpe_speed
 import yaml
@@ -1226,11 +1227,11 @@ def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | N
                     table.answer = replay_lcbench.answerer(evaluate, task)
                 found.append(Ground(table_study(table), table))
                 continue
-            made = cut(json.loads(path.read_text()), epochs or None)
+            made = cut(stored.read(path), epochs or None)
             curves = Curves(made)
             study = study_files.load(study_files.study_path("demo"),
                                      [f"training.epochs={made['epochs']}"])
-            facts = measured(json.loads(Path(real).read_text()), made["machine"])
+            facts = measured(stored.read(Path(real)), made["machine"])
             found.append(Ground(study, curves, even(facts, curves) if even_costs else facts))
         _GROUNDS[key] = found
     return _GROUNDS[key]
@@ -1305,7 +1306,7 @@ def figures(reps: list[dict], names: tuple[str, ...] | list[str]) -> dict:
 def horizons_of(path: Path, count: int) -> tuple[float, ...]:
     """The per-table horizons of an earlier output, so that chunks of one setting's worlds
     run to the same horizons (each chunk's own median would differ)."""
-    found = json.loads(path.read_text()).get("horizons") or []
+    found = stored.read(path).get("horizons") or []
     if len(found) != count or any(h is None for h in found):
         raise SystemExit(f"{path}: no horizon for each of the {count} tables")
     return tuple(found)
@@ -1418,7 +1419,7 @@ def render(paths: list[Path], plot: Path | None) -> str:
     lines = ["| table | mode | setting | hpo vs | auc_ratio (95%) | final regret diff (95%) "
              "| G1 strict (95%) | median G2 (95%) | worlds |",
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    results = [json.loads(p.read_text()) for p in paths]
+    results = [stored.read(p) for p in paths]
     for r in results:
         setting = f"{r['budget']} x {r['workers']}"
         rows = [(f"hpo vs {peer}", f) for peer, f in r["versus"].items()]
@@ -1444,7 +1445,7 @@ def render_blocks(paths: list[Path], size: int) -> str:
              "final regret diff (95%) | level |",
              "| --- | --- | --- | --- | --- | ---: | ---: | --- |"]
     for path in paths:
-        r = json.loads(path.read_text())
+        r = stored.read(path)
         reps = r["repetitions_data"]
         for a, b in NULLS:
             if not reps or a not in reps[0] or b not in reps[0]:
@@ -1495,7 +1496,7 @@ def draw(results: list[dict], plot: Path) -> None:
 def reality(real_path: Path, table_path: Path) -> str:
     """The real runs of benchmarks/results/search_quality.json on the table's CPU kind replayed with
     their seeds and budget: each tool's wall time and best, real against replayed."""
-    real, table = json.loads(real_path.read_text()), json.loads(table_path.read_text())
+    real, table = stored.read(real_path), stored.read(table_path)
     curves = Curves(table)
     facts = measured(real, table["machine"])
     # Those runs' hpo ran the median pruner, the default of the time.
@@ -1626,16 +1627,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge:
         if args.output is None:
             parser().error("--merge needs --output")
-        merged = merge([json.loads(p.read_text()) for p in args.merge], args.worlds)
-        args.output.write_text(json.dumps(merged, separators=(",", ":")))
+        merged = merge([stored.read(p) for p in args.merge], args.worlds)
+        stored.write_text(args.output, json.dumps(merged, separators=(",", ":")))
         print(f"{merged['repetitions']} worlds from {len(args.merge)} outputs in {args.output}")
         return
     if args.join:
         renames = dict(item.split("=", 1) for item in args.rename if "=" in item)
         if args.output is None or len(renames) != len(args.rename):
             parser().error("--join needs --output, and --rename OLD=NEW pairs")
-        joined = join([json.loads(p.read_text()) for p in args.join], renames)
-        args.output.write_text(json.dumps(joined, separators=(",", ":")))
+        joined = join([stored.read(p) for p in args.join], renames)
+        stored.write_text(args.output, json.dumps(joined, separators=(",", ":")))
         print(f"{len(joined['policies'])} policies from {len(args.join)} outputs in "
               f"{args.output}")
         return
@@ -1663,7 +1664,7 @@ def main(argv: list[str] | None = None) -> None:
               f"diff {f['final_regret_diff']:+.3f}, G1 strict {f['g1_strict']:.2f}")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, separators=(",", ":")))
+        stored.write_text(args.output, json.dumps(result, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from datetime import date
 from pathlib import Path
 
 import optuna
+import stored
 from optuna.trial import TrialState
 
 # The median pruner the peers' glue runs (peer_trainer.py, replay.py): the demo study's
@@ -185,7 +186,7 @@ def measure(args: argparse.Namespace) -> dict:
                "versions": versions(), "n_trials": args.n_trials, "workers": args.workers,
                "runs": []}
     if args.append:
-        results = json.loads(args.output.read_text())
+        results = stored.read(args.output)
         if results["n_trials"] != args.n_trials:
             raise SystemExit(f"{args.output} holds runs of {results['n_trials']} trials")
         if results.get("workers", 1) != args.workers:
@@ -200,7 +201,7 @@ def measure(args: argparse.Namespace) -> dict:
             (r["tool"], r["seed"], r["label"]) == (record["tool"], record["seed"],
                                                    record["label"])
             and r.get("machine", results["machine"]) == record["machine"])] + [record]
-        args.output.write_text(json.dumps(results, indent=1))
+        stored.write_text(args.output, json.dumps(results, indent=1))
 
     peers = args.peers if args.peers is not None else list(PEERS) if args.default else []
     for seed in args.seeds:
@@ -537,7 +538,7 @@ def main() -> None:
         parser.error("--workers must be at least 1, and above 1 needs --no-default")
     if args.workers > 1 and args.peers:
         parser.error("--workers above 1 runs no peer: the peers run one trial at a time")
-    results = (json.loads(args.render.read_text()) if args.render is not None
+    results = (stored.read(args.render) if args.render is not None
                else measure(args))
     print(render(results, args.plot))
 

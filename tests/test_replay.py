@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 import replay
+import stored
 from conftest import REPO, require
 
 from hpo.search.paused_view import PausedAsPruned
@@ -539,7 +540,7 @@ def test_every_policy_runs_and_the_output_holds_the_yardsticks_figures(tmp_path)
     table = tmp_path / "table.json"
     made = made_up_table()
     real = REPO / "benchmarks" / "results" / "search_quality.json"
-    made["machine"] = json.loads(real.read_text())["runs"][0]["machine"]
+    made["machine"] = stored.read(real)["runs"][0]["machine"]
     made["parts"] = [{"seed": 1, "machine": "another CPU", "as": "a tagged noise draw"}]
     table.write_text(json.dumps(made))
     names = [p for p in replay.PEERS if p not in ("ray", "ray-rf2", "bohb")]
@@ -580,7 +581,7 @@ def test_compute_modes_horizon_is_the_median_wall_of_the_novices_trials(tmp_path
 
 
 def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_path):
-    real = json.loads((REPO / "benchmarks" / "results" / "search_quality.json").read_text())
+    real = stored.read(REPO / "benchmarks" / "results" / "search_quality.json")
     made = made_up_table()
     made["machine"] = real["runs"][0]["machine"]
     facts = replay.measured(real, made["machine"])
@@ -841,7 +842,7 @@ def test_render_plots_regret_and_rank_over_time(tmp_path):
 
 
 def test_reality_replays_the_real_runs_of_the_tables_cpu_kind(tmp_path, capsys):
-    real = json.loads((REPO / "benchmarks" / "results" / "search_quality.json").read_text())
+    real = stored.read(REPO / "benchmarks" / "results" / "search_quality.json")
     machine = next(r["machine"] for r in real["runs"] if r["seed"] == 3)
     real["runs"] = [r for r in real["runs"] if r["tool"] != "ray"]  # Ray: its own test
     (tmp_path / "real.json").write_text(json.dumps(real))
