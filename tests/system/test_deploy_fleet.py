@@ -192,10 +192,18 @@ def test_the_fleet_runs_the_study_to_its_budget_through_a_stop_and_a_kill(fleet,
     assert restarted["Config"]["Hostname"] == other
     # A claim is a new trial or a paused one resumed (a free worker resumes what a rung
     # promotes before it starts anything new; `pausing.claim` names it the worker's).
-    wait_for("worker-0 to claim a trial after its restart", lambda: [
-        t for t in fleet.trials()
-        if (t.number > last or len(t.user_attrs.get("resumes", [])) > resumed.get(t.number, 0))
-        and str(t.user_attrs.get("worker", "")).startswith(f"{other}:")], timeout=300)
+    try:
+        wait_for("worker-0 to claim a trial after its restart", lambda: [
+            t for t in fleet.trials()
+            if (t.number > last or len(t.user_attrs.get("resumes", [])) > resumed.get(t.number, 0))
+            and str(t.user_attrs.get("worker", "")).startswith(f"{other}:")], timeout=300)
+    except AssertionError as timed_out:
+        # It has timed out now and then in CI (never alone so far): say what the fleet did.
+        logs = docker("logs", fleet.container("worker-0")["Id"])
+        states = [(t.number, t.state.name, t.user_attrs.get("worker"),
+                   len(t.user_attrs.get("resumes", []))) for t in fleet.trials()]
+        raise AssertionError(f"{timed_out}; last {last}; trials {states}; worker-0 printed: "
+                             f"{(logs.stdout + logs.stderr)[-4000:]}") from None
 
     # Chromium shows the study through the published loopback port.
     page = rendered_text(f"http://127.0.0.1:{fleet.dashboard_port}/dashboard", tmp_path / "p")
