@@ -846,14 +846,22 @@ def measured(real: dict, machine: str) -> Measured:
                     len(runs), {tool: statistics.median(v) for tool, v in gaps.items() if v})
 
 
-def even(facts: Measured, curves: Curves) -> Measured:
-    """Every tool's trials priced as hpo's, for `--even-costs`: no slowdowns, hpo's start-up
-    and gap for all, and hpo's batch searches free (`curves` changed so): what the searches
-    alone make of a world, apart from what each tool costs around them."""
-    curves.costs = replace(curves.costs, batch_search={})
+# The parts of a tool's cost `--even-costs` can price as hpo's.
+EVEN_PARTS = ("startup", "gaps", "slowdowns", "searches")
+
+
+def even(facts: Measured, curves: Curves, parts: tuple[str, ...] = EVEN_PARTS) -> Measured:
+    """Every tool's trials priced as hpo's, for `--even-costs`: hpo's start-up and gap for
+    all, no slowdowns, and hpo's batch searches free (`curves` changed so): what the searches
+    alone make of a world, apart from what each tool costs around them. `parts` names which
+    of those to even, so that each cost's share of a gap can be read alone."""
+    if "searches" in parts:
+        curves.costs = replace(curves.costs, batch_search={})
     start, gap = facts.startup.get("hpo", 0.0), facts.gaps.get("hpo", 0.0)
-    return Measured({tool: start for tool in facts.startup}, {}, facts.runs,
-                    {tool: gap for tool in facts.gaps})
+    return Measured(
+        {tool: start for tool in facts.startup} if "startup" in parts else facts.startup,
+        {} if "slowdowns" in parts else facts.slowdowns, facts.runs,
+        {tool: gap for tool in facts.gaps} if "gaps" in parts else facts.gaps)
 
 
 def short(model: str) -> str:
@@ -1209,7 +1217,7 @@ def cut(made: dict, epochs: int | None) -> dict:
     return {**made, "epochs": epochs, "rows": rows}
 
 
-def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | None,
+def grounds(paths: tuple[str, ...], real: str, even_costs: tuple[str, ...], epochs: int | None,
             surrogate: str | None = None) -> list[Ground]:
     """The tables of a replay, read once per process: the demo's (a .json file of
     benchmarks/learning_curves.py) with hpo's demo study and the tools' measured costs, or
@@ -1232,7 +1240,8 @@ def grounds(paths: tuple[str, ...], real: str, even_costs: bool, epochs: int | N
             study = study_files.load(study_files.study_path("demo"),
                                      [f"training.epochs={made['epochs']}"])
             facts = measured(stored.read(Path(real)), made["machine"])
-            found.append(Ground(study, curves, even(facts, curves) if even_costs else facts))
+            found.append(Ground(study, curves,
+                                even(facts, curves, even_costs) if even_costs else facts))
         _GROUNDS[key] = found
     return _GROUNDS[key]
 
@@ -1250,10 +1259,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def even_parts(given: list[str] | None) -> tuple[str, ...]:
+    """`--even-costs` alone evens every part; not given, none."""
+    if given is None:
+        return ()
+    return tuple(p for p in EVEN_PARTS if p in given) if given else EVEN_PARTS
+
+
 def run(args: argparse.Namespace) -> dict:
     surrogate = str(args.surrogate) if args.surrogate else None
     load = functools.partial(grounds, tuple(str(p) for p in args.table), str(args.real),
-                             args.even_costs, args.epochs, surrogate)
+                             even_parts(args.even_costs), args.epochs, surrogate)
     variants = tuple((label, tuple(sets)) for label, sets in args.variants)
     # A variant named in --policies too runs once.
     names = tuple(dict.fromkeys(("hpo", *args.policies, *(label for label, _ in variants))))
@@ -1274,7 +1290,7 @@ def run(args: argparse.Namespace) -> dict:
         "repetitions": args.repetitions, "first_seed": args.first_seed,
         "horizons": [h if math.isfinite(h) else None for h in setting.horizons],
         "hpo_sets": args.hpo_sets,
-        "even_costs": args.even_costs, "policies": list(names),
+        "even_costs": list(even_parts(args.even_costs)), "policies": list(names),
         "answers": ("the surrogate at the point" if surrogate
                     else "the nearest recorded run"),
         "tables": [{"file": Path(p).name, "name": g.table.name,
@@ -1323,7 +1339,10 @@ BEFORE = {"answers": "the nearest recorded run", "draws": OWN}
 
 
 def recorded(result: dict, key: str) -> Any:
-    return result.get(key, BEFORE.get(key))
+    value = result.get(key, BEFORE.get(key))
+    if key == "even_costs" and isinstance(value, bool):  # written before its parts existed
+        return list(EVEN_PARTS) if value else []
+    return value
 
 
 def merge(results: list[dict], keep: frozenset[int] | None = None) -> dict:
@@ -1584,9 +1603,10 @@ def parser() -> argparse.ArgumentParser:
                             "per trial as hpo's (shared start-up draws)")
     found.add_argument("--exact-tpe", action="store_true",
                        help="Optuna's own _log_ndtr in TPE (slower; the same figures)")
-    found.add_argument("--even-costs", action="store_true",
+    found.add_argument("--even-costs", nargs="*", choices=EVEN_PARTS, metavar="PART",
                        help="the demo: every tool's trials cost hpo's, and hpo searches no "
-                       "batch: the searches alone")
+                       "batch: the searches alone; or only the PARTs named of "
+                       f"{', '.join(EVEN_PARTS)}")
     found.add_argument("--real", type=Path, default=REAL,
                        help="real runs: the peers' start-up and slowdowns on the demo")
     found.add_argument("--output", type=Path)

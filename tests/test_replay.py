@@ -597,8 +597,31 @@ def test_even_costs_price_every_tool_as_hpo_and_its_batch_searches_as_free(tmp_p
     table.write_text(json.dumps(made))
     result = main_run(tmp_path, "--budget", "4", "--repetitions", "1", "--table", str(table),
                       "--policies", "expert", "--even-costs")
-    assert result["even_costs"] and result["measured"]["slowdowns"] == {}
+    assert result["even_costs"] == list(replay.EVEN_PARTS)
+    assert result["measured"]["slowdowns"] == {}
     assert set(result["measured"]["startup"].values()) == {facts.startup["hpo"]}
+
+
+def test_even_costs_parts_even_only_what_they_name():
+    real = stored.read(REPO / "benchmarks" / "results" / "search_quality.json")
+    made = made_up_table()
+    made["machine"] = real["runs"][0]["machine"]
+    facts = replay.measured(real, made["machine"])
+    curves = replay.Curves(made)
+    searches = curves.costs.batch_search
+    started = replay.even(facts, curves, ("startup",))
+    assert set(started.startup.values()) == {facts.startup["hpo"]}
+    assert (started.slowdowns, started.gaps, curves.costs.batch_search) == (
+        facts.slowdowns, facts.gaps, searches)
+    slowed = replay.even(facts, curves, ("slowdowns",))
+    assert (slowed.slowdowns, slowed.startup) == ({}, facts.startup)
+    replay.even(facts, curves, ("searches",))
+    assert curves.costs.batch_search == {}
+    assert replay.even_parts(None) == () and replay.even_parts([]) == replay.EVEN_PARTS
+    assert replay.even_parts(["searches", "startup"]) == ("startup", "searches")
+    # An output written when --even-costs was a switch merges with one that names its parts.
+    assert replay.recorded({"even_costs": True}, "even_costs") == list(replay.EVEN_PARTS)
+    assert replay.recorded({"even_costs": False}, "even_costs") == []
 
 
 def test_ray_policy_drives_rays_own_asha_and_optuna_search(curves):
