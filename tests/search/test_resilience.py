@@ -35,6 +35,57 @@ def test_only_connection_errors_are_retried():
         resilience.retrying(lambda: (_ for _ in ()).throw(ValueError("x")), seconds=30, what="t")
 
 
+def test_retries_wait_at_most_the_bound_between_tries(monkeypatch):
+    lost = sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("server closed"))
+    waits: list[float] = []
+
+    class Clock:  # the module's clock, advanced by its waits: no real sleep
+        @staticmethod
+        def monotonic() -> float:
+            return sum(waits)
+
+        sleep = staticmethod(waits.append)
+
+    monkeypatch.setattr(resilience, "time", Clock)
+
+    def never() -> None:
+        raise lost
+
+    with pytest.raises(sqlalchemy.exc.OperationalError):
+        resilience.retrying(never, seconds=60, what="test", most=1.0)
+    assert waits and max(waits) <= 1.0 * 1.2  # the jitter's 20%
+    waits.clear()
+    with pytest.raises(sqlalchemy.exc.OperationalError):
+        resilience.retrying(never, seconds=600, what="test")
+    assert max(waits) > 1.2 and max(waits) <= resilience.MAX_BACKOFF * 1.2
+
+
+def test_a_storage_retries_within_its_heartbeat_interval(tmp_path):
+    """Once an outage ends, every live worker's waiting call goes through within a heartbeat
+    interval, so a reaper's grace period of unbroken contact sees every live trial beat
+    again: a trial claimed as the outage began records its first beat from the worker's own
+    thread, through these retries (tests/system/test_fleet.py's outage test once reaped one,
+    alive, when they waited up to MAX_BACKOFF against a grace period of 4 s)."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    beating = storage.open_storage(url, heartbeat_interval=1, grace_period=4)
+    slow = storage.open_storage(url, heartbeat_interval=60, grace_period=180)
+    silent = storage.open_storage(url)
+    try:
+        assert beating.most_backoff() == 1
+        assert slow.most_backoff() == silent.most_backoff() == resilience.MAX_BACKOFF
+        # The study lock and hpo's own reads take the bound of the storage's engine.
+        assert resilience.most_backoff(beating.engine) == 1
+        assert resilience.most_backoff(slow.engine) == resilience.MAX_BACKOFF
+        beating.heartbeat_interval = 3  # as `study.pin_liveness` sets the study's
+        assert resilience.most_backoff(beating.engine) == 3
+        other = sqlalchemy.create_engine(url)
+        assert resilience.most_backoff(other) == resilience.MAX_BACKOFF
+        other.dispose()
+    finally:
+        for opened in (beating, slow, silent):
+            opened.engine.dispose()
+
+
 @pytest.mark.slow
 def test_workers_survive_a_database_outage(tiny_study, tmp_path):
     from postgres import PrivateServer

@@ -141,7 +141,10 @@ def assert_sound(url: str, workers: list[Supervised], budget: int, started: floa
             continue
         worker = trial.user_attrs.get("worker")
         # Killed before it wrote anything, or while its own worker ran it: nothing else.
-        assert worker is None or int(worker.rsplit(":", 1)[1]) in killed, trial
+        assert worker is None or int(worker.rsplit(":", 1)[1]) in killed, (
+            f"trial {trial.number} failed with its worker {worker} alive (killed: {killed}); "
+            f"started {trial.datetime_start}, ended {trial.datetime_complete}, user attrs "
+            f"{trial.user_attrs}, system attrs {trial.system_attrs}")
         assert "error" not in trial.user_attrs, trial.user_attrs["error"]
         assert trial.number in retried, f"trial {trial.number} failed and was not retried"
     assert states[TrialState.FAIL] - len(given_back) <= len(killed)

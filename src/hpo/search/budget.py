@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import interrupts
 from hpo.search.pausing import PAUSED_AT, RETRAINED
-from hpo.search.resilience import OUTAGE_SECONDS, retrying
+from hpo.search.resilience import OUTAGE_SECONDS, most_backoff, retrying
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
 
@@ -229,7 +229,8 @@ def _locked(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.C
     else:
         # An in-memory SQLite database lives in one process: a thread lock is enough there.
         lock = _process_lock
-    with lock, retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock") as connection:
+    with lock, retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock",
+                        most=most_backoff(engine)) as connection:
         yield connection
 
 
@@ -244,7 +245,7 @@ def under_lock(engine: sqlalchemy.Engine, study_name: str,
         with study_lock(engine, study_name) as connection:
             return section(connection)
 
-    return retrying(once, seconds=OUTAGE_SECONDS, what="lock")
+    return retrying(once, seconds=OUTAGE_SECONDS, what="lock", most=most_backoff(engine))
 
 
 def read(engine: sqlalchemy.Engine, query: Callable[[sqlalchemy.Connection], T]) -> T:
@@ -255,7 +256,7 @@ def read(engine: sqlalchemy.Engine, query: Callable[[sqlalchemy.Connection], T])
         with engine.connect() as connection:
             return query(connection)
 
-    return retrying(once, seconds=OUTAGE_SECONDS, what="read")
+    return retrying(once, seconds=OUTAGE_SECONDS, what="read", most=most_backoff(engine))
 
 
 _process_lock = threading.Lock()
@@ -283,7 +284,8 @@ def _advisory_lock(
             raise
         return connection
 
-    connection = retrying(acquire, seconds=OUTAGE_SECONDS, what="lock")
+    connection = retrying(acquire, seconds=OUTAGE_SECONDS, what="lock",
+                          most=most_backoff(engine))
     try:
         try:
             yield connection

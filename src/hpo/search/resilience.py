@@ -30,6 +30,8 @@ from hpo import interrupts
 
 # How long a call waits for the database to come back before the worker gives up.
 OUTAGE_SECONDS = 300.0
+# The longest wait between two tries, where the study's heartbeat interval is not shorter
+# (`most_backoff`).
 MAX_BACKOFF = 10.0
 
 T = TypeVar("T")
@@ -47,10 +49,12 @@ def is_connection_error(exc: BaseException) -> bool:
     return False
 
 
-def retrying(call: Callable[[], T], *, seconds: float, what: str) -> T:
-    """Run `call`, retrying connection errors with jittered exponential backoff."""
+def retrying(call: Callable[[], T], *, seconds: float, what: str,
+             most: float = MAX_BACKOFF) -> T:
+    """Run `call`, retrying connection errors with jittered exponential backoff, waiting at
+    most `most` seconds (give or take the jitter) between two tries."""
     deadline = time.monotonic() + seconds
-    delay = 0.5
+    delay = min(0.5, most)
     while True:
         try:
             return call()
@@ -61,7 +65,7 @@ def retrying(call: Callable[[], T], *, seconds: float, what: str) -> T:
                 "storage unreachable during %s; retrying in %.1fs", what, delay
             )
         time.sleep(delay * random.uniform(0.8, 1.2))
-        delay = min(MAX_BACKOFF, delay * 2)
+        delay = min(most, delay * 2)
 
 
 _retrying_here = threading.local()
@@ -115,7 +119,8 @@ def _resilient(method: Callable[..., Any]) -> Callable[..., Any]:
 
         seconds = 0.0 if getattr(_retrying_here, "single", False) else self.outage_seconds
         try:
-            return retrying(attempt, seconds=seconds, what=method.__name__)
+            return retrying(attempt, seconds=seconds, what=method.__name__,
+                            most=self.most_backoff())
         finally:
             _retrying_here.active = False
             # Out of the database code: a Ctrl-C or SIGTERM it held is raised here.
@@ -150,7 +155,18 @@ class ResilientRDBStorage(RDBStorage):
         if self.engine.dialect.name != "sqlite":
             sqlalchemy.event.listen(self.engine, "handle_error",
                                     lambda context: _note_error(contact, context))
-        _OPENED.add(self.engine)
+        _OPENED[self.engine] = weakref.ref(self)
+
+    def most_backoff(self) -> float:
+        """The longest wait between two tries of a call through an outage: never longer than
+        the heartbeat interval. A reaper judges after a grace period of unbroken contact
+        (`trusts_heartbeats`), in which every live trial must have beaten again; the heartbeat
+        thread tries every interval, but a trial claimed as an outage began records its first
+        beat from the worker's own thread, whose tries would otherwise drift MAX_BACKOFF
+        apart: past a short grace period (the fleet tests' 4 s), and the live trial was
+        reaped as one that never beat."""
+        interval = self.heartbeat_interval
+        return min(MAX_BACKOFF, interval) if interval else MAX_BACKOFF
 
     def trusts_heartbeats(self) -> bool:
         """True when this storage has been in unbroken contact for a grace period, so a
@@ -221,10 +237,20 @@ _LOCAL = {"__init__", "__getstate__", "__setstate__", "remove_session",
           "get_heartbeat_stale_trial_callback", "get_failed_trial_callback"}
 
 
-# The engine of every storage this process opened, while anything still holds it. The engines,
-# not the storages: a storage freed by its reference count leaves its engine and pool in
-# SQLAlchemy's reference cycles, connections open.
-_OPENED: weakref.WeakSet[sqlalchemy.Engine] = weakref.WeakSet()
+# The engine of every storage this process opened, while anything still holds it, and the
+# storage, while anything holds that. Keyed by the engines, not the storages: a storage freed
+# by its reference count leaves its engine and pool in SQLAlchemy's reference cycles,
+# connections open.
+_OPENED: weakref.WeakKeyDictionary[sqlalchemy.Engine, weakref.ref[ResilientRDBStorage]] = (
+    weakref.WeakKeyDictionary())
+
+
+def most_backoff(engine: sqlalchemy.Engine) -> float:
+    """`ResilientRDBStorage.most_backoff` of the storage that opened `engine`, for what hpo
+    says to the database directly (the study lock, its reads): MAX_BACKOFF for another engine."""
+    opened = _OPENED.get(engine)
+    storage = opened() if opened is not None else None
+    return storage.most_backoff() if storage is not None else MAX_BACKOFF
 
 
 def close_opened() -> None:
