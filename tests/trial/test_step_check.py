@@ -181,6 +181,9 @@ def test_precisions_are_timed_at_a_trials_batch_in_rounds_and_a_burst_does_not_d
         return real_step(model, plan, device, batch, *args)
 
     monkeypatch.setattr(step_check, "probe_step", step)
+    # Every round runs: whether two already settle it depends on this host's real step times
+    # (test_rounds_stop_at_two_where_they_settle_it times them by hand).
+    monkeypatch.setattr(step_check, "settled", lambda *_: False)
     verdicts = {(v.model, v.precision): v for v in step_check.check_all(resources, precisions)}
     assert all(v.usable for v in verdicts.values())
     in_rounds = declared == "auto" and len(precisions) > 1
@@ -214,13 +217,8 @@ def test_a_trials_batch_is_timed_as_far_as_its_memory_is_sure():
 
 def test_the_median_round_is_kept_with_the_rounds_spread_and_an_oom_keeps_the_checks(
         monkeypatch):
-    from types import SimpleNamespace
 
-    resources = SimpleNamespace(
-        device=detect("cpu"),
-        config=SimpleNamespace(
-            search_space=SimpleNamespace(target_effective_batch_size=[32, 16]),
-            training=SimpleNamespace(max_physical_batch_size=64)))
+    resources = _namespace([32, 16])
     first = step_check.Verdict("a", "bf16", True, step_seconds=0.5, step_batch=2, step_mib=1.0)
     verdicts = {("a", "bf16", "none"): first,
                 ("a", "none", "none"): replace(first, precision="none"),
@@ -237,12 +235,75 @@ def test_the_median_round_is_kept_with_the_rounds_spread_and_an_oom_keeps_the_ch
         return value
 
     monkeypatch.setattr(step_check, "time_steps", time_steps)
-    compared = step_check.compare(resources, verdicts)
+    compared = step_check.compare(resources, verdicts, settle=False)
     assert set(batches) == {16}
     assert compared["a", "bf16", "none"] == replace(
         first, step_seconds=0.2, step_batch=16, step_spread=0.5)
     assert compared["a", "none", "none"].step_spread == 0.0
     assert compared["b", "none", "none"] == verdicts["b", "none", "none"]
+
+
+def _namespace(targets: list[int], tolerance: float = 0.1):
+    """What `compare` reads of a worker's resources."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        device=detect("cpu"),
+        config=SimpleNamespace(
+            search_space=SimpleNamespace(target_effective_batch_size=targets),
+            training=SimpleNamespace(max_physical_batch_size=64),
+            study=SimpleNamespace(precision_tolerance=tolerance)))
+
+
+def _rounds(ends: dict[tuple[str, str], tuple[float, float]]):
+    """`settled`'s arguments for combinations timed at a batch of 1 in two rounds."""
+    verdicts = {(m, p, "none"): step_check.Verdict(m, p, True, step_seconds=1.0, step_batch=2)
+                for m, p in ends}
+    return verdicts, {(m, p, "none"): list(e) for (m, p), e in ends.items()}, {
+        (m, "none"): 1 for m, _ in ends}
+
+
+def test_two_rounds_settle_it_only_where_both_extremes_decide_alike():
+    # fp32 far out, bf16 in: kept and dropped alike whatever a third round times.
+    assert step_check.settled(*_rounds({("a", "bf16"): (0.10, 0.12),
+                                        ("a", "none"): (0.20, 0.22)}), 0.1)
+    # A burst in one of bf16's rounds: fp32 is kept against its slow round, not its fast one.
+    assert not step_check.settled(*_rounds({("a", "bf16"): (0.10, 0.50),
+                                            ("a", "none"): (0.20, 0.21)}), 0.1)
+    # Near the tolerance's edge: fp16 at 1.12x bf16 at one extreme, 1.07x at the other.
+    edge = {("a", "bf16"): (0.100, 0.101), ("a", "fp16"): (0.108, 0.112)}
+    assert not step_check.settled(*_rounds(edge), 0.1)
+    assert step_check.settled(*_rounds(edge), 0.15)
+    # Summed over the models: a model whose rounds ran out of memory counts with the check's
+    # own timing (1.0 / 2 a sequence for both), which drowns model a's spread.
+    verdicts, rounds, batches = _rounds({**edge, ("b", "bf16"): (1.0, 1.0),
+                                         ("b", "fp16"): (1.0, 1.0)})
+    rounds["b", "fp16", "none"][1] = float("inf")
+    assert step_check.settled(verdicts, rounds, batches, 0.1)
+
+
+def test_rounds_stop_at_two_where_they_settle_it(monkeypatch):
+    first = step_check.Verdict("a", "bf16", True, step_seconds=0.5, step_batch=2, step_mib=1.0)
+    verdicts = {("a", "bf16", "none"): first,
+                ("a", "none", "none"): replace(first, precision="none")}
+    calls = []
+
+    def timed(times):
+        def time_steps(_resources, model, precision, _peft, _batch):
+            calls.append((model, precision))
+            return times[model, precision].pop(0)
+        return time_steps
+
+    for bf16, settle, rounds, median in (
+            ([0.10, 0.11, 0.9], True, 2, 0.105),  # settled: the third is never timed
+            ([0.10, 0.50, 0.11], True, 3, 0.11),  # a burst in the second: a third round
+            ([0.10, 0.11, 0.12], False, 3, 0.11)):  # a partial check's rounds: all three
+        calls.clear()
+        times = {("a", "bf16"): list(bf16), ("a", "none"): [0.20, 0.21, 0.20]}
+        monkeypatch.setattr(step_check, "time_steps", timed(times))
+        compared = step_check.compare(_namespace([16]), verdicts, settle=settle)
+        assert len(calls) == 2 * rounds
+        assert compared["a", "bf16", "none"].step_seconds == pytest.approx(median)
 
 
 def test_an_oom_beside_other_processes_is_judged_when_it_happens(monkeypatch):

@@ -26,7 +26,7 @@ import torch
 
 from hpo.errors import CheckError, one_line
 from hpo.hardware import Device, precision_name
-from hpo.space import StepCosts
+from hpo.space import StepCosts, by_cost
 from hpo.training import adapters, memory
 from hpo.training.models import config_of
 from hpo.training.train import Plan, Stepper, autocast, prepare, probe_step
@@ -47,6 +47,12 @@ TIMED_STEPS = 3
 # dropped the faster precision (benchmarks/README.md, the overhead section). A burst slows
 # one round; the median ignores it, and the rounds' spread says how far to trust the ratio.
 ROUNDS = 3
+# The third round is left out where the first two already decide what `auto` keeps whatever
+# it would time (`settled`): the median of three lies between the other two whatever the
+# third is, so a burst in one of the two is outvoted as before, and where they agree (on a
+# GPU, fp16 and bf16 both within the tolerance, fp32 far out) a third of the rounds' steps
+# and model builds is saved.
+SETTLING_ROUNDS = 2
 # The rounds run at a trial's batch: the smallest effective batch the space searches (capped
 # at the physical limit), which its trials run anyway. At the check's two sequences a step is
 # mostly fixed cost (kernel launches, thread start-ups) that a lower precision does not
@@ -183,7 +189,8 @@ def check_all(resources: Resources, precisions: tuple[str, ...],
     # Only `auto` keeps precisions by their step times; a pinned list's are only shown.
     compared = resources.pinned.declared.get("fp_precision") == "auto"
     if compared and len({precision for _, precision, _ in timed}) > 1:
-        verdicts |= compare(resources, timed)
+        # Settled early only where these are all the verdicts the decision weighs.
+        verdicts |= compare(resources, timed, settle=not skip)
     yield from verdicts.values()
 
 
@@ -201,12 +208,13 @@ def timing_batch(target: int, batch: int, step_mib: float | None,
     return max(batch, min(target, fitting))
 
 
-def compare(resources: Resources, verdicts: dict[tuple[str, str, str], Verdict]
-            ) -> dict[tuple[str, str, str], Verdict]:
+def compare(resources: Resources, verdicts: dict[tuple[str, str, str], Verdict],
+            settle: bool = True) -> dict[tuple[str, str, str], Verdict]:
     """`verdicts` with the step times `auto` compares: each configuration (model and adapter
-    method) at one `timing_batch` for all its precisions, in ROUNDS rounds taken in turn, the
-    median round kept with the rounds' spread. A configuration whose rounds ran out of memory
-    keeps the check's own timing, at the check's batch."""
+    method) at one `timing_batch` for all its precisions, in ROUNDS rounds taken in turn (with
+    `settle`, SETTLING_ROUNDS where they already decide: `settled`), the median round kept
+    with the rounds' spread. A configuration whose rounds ran out of memory keeps the check's
+    own timing, at the check's batch."""
     space, training = resources.config.search_space, resources.config.training
     target = min(min(space.target_effective_batch_size), training.max_physical_batch_size)
     free = memory.free_bytes(resources.device)
@@ -217,7 +225,10 @@ def compare(resources: Resources, verdicts: dict[tuple[str, str, str], Verdict]
         batches[model, peft] = min(batches.get((model, peft), batch), batch)
     rounds: dict[tuple[str, str, str], list[float]] = {c: [] for c in verdicts}
     order = list(verdicts)
+    tolerance = resources.config.study.precision_tolerance
     for turn in range(ROUNDS):
+        if settle and turn >= SETTLING_ROUNDS and settled(verdicts, rounds, batches, tolerance):
+            break
         for combination in order[::-1] if turn % 2 else order:
             model, _, peft = combination
             try:
@@ -233,6 +244,37 @@ def compare(resources: Resources, verdicts: dict[tuple[str, str, str], Verdict]
                 verdict, step_seconds=round(statistics.median(rounds[c]), 4),
                 step_batch=batches[c[0], c[2]], step_spread=round(spread(rounds[c]), 4))
             for c, verdict in verdicts.items()}
+
+
+def settled(verdicts: dict[tuple[str, str, str], Verdict],
+            rounds: dict[tuple[str, str, str], list[float]],
+            batches: dict[tuple[str, str], int], tolerance: float) -> bool:
+    """Whether the rounds timed so far decide what `auto` keeps (`space.by_cost`) whatever
+    more rounds time: each combination's median will lie between its fastest and slowest
+    round so far, and a precision is kept the harder the slower its steps and the faster the
+    others', so it is settled where it is kept, or dropped, at both extremes."""
+    lost = {(model, peft) for (model, _, peft), times in rounds.items() if math.inf in times}
+    ends: dict[tuple[str, str, str], tuple[float, float]] = {}
+    for (model, precision, peft), times in rounds.items():
+        if (model, peft) in lost:  # it keeps the check's own timing, more rounds or not
+            verdict = verdicts[model, precision, peft]
+            assert verdict.step_seconds is not None and verdict.step_batch  # `timed` only
+            ends[model, precision, peft] = (verdict.step_seconds / verdict.step_batch,) * 2
+        else:
+            batch = batches[model, peft]
+            ends[model, precision, peft] = (min(times) / batch, max(times) / batch)
+    precisions = tuple(dict.fromkeys(precision for _, precision, _ in rounds))
+
+    def kept(precision: str, slow: bool) -> bool:
+        """Whether `precision` is kept with its steps at their slowest (`slow`) and every
+        other precision's at their fastest, or the other way round."""
+        seconds: dict[str, dict[str, float]] = {}
+        for (model, other, peft), (low, high) in ends.items():
+            name = model if peft == "none" else f"{model} ({peft})"  # as `_configuration`
+            seconds.setdefault(name, {})[other] = high if (other == precision) == slow else low
+        return precision in by_cost(seconds, precisions, tolerance).kept
+
+    return all(kept(p, slow=True) == kept(p, slow=False) for p in precisions)
 
 
 def spread(times: list[float]) -> float:
