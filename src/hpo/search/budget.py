@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from hpo import interrupts
 from hpo.search.pausing import PAUSED_AT, RETRAINED
-from hpo.search.resilience import OUTAGE_SECONDS, most_backoff, retrying
+from hpo.search.resilience import retrying_on
 
 _LOCK_NAMESPACE = 0x6870_6F00  # "hpo\0": keeps our advisory-lock keys apart from others'
 
@@ -229,8 +229,7 @@ def _locked(engine: sqlalchemy.Engine, study_name: str) -> Iterator[sqlalchemy.C
     else:
         # An in-memory SQLite database lives in one process: a thread lock is enough there.
         lock = _process_lock
-    with lock, retrying(engine.connect, seconds=OUTAGE_SECONDS, what="lock",
-                        most=most_backoff(engine)) as connection:
+    with lock, retrying_on(engine, engine.connect, what="lock") as connection:
         yield connection
 
 
@@ -245,7 +244,7 @@ def under_lock(engine: sqlalchemy.Engine, study_name: str,
         with study_lock(engine, study_name) as connection:
             return section(connection)
 
-    return retrying(once, seconds=OUTAGE_SECONDS, what="lock", most=most_backoff(engine))
+    return retrying_on(engine, once, what="lock")
 
 
 def read(engine: sqlalchemy.Engine, query: Callable[[sqlalchemy.Connection], T]) -> T:
@@ -256,7 +255,7 @@ def read(engine: sqlalchemy.Engine, query: Callable[[sqlalchemy.Connection], T])
         with engine.connect() as connection:
             return query(connection)
 
-    return retrying(once, seconds=OUTAGE_SECONDS, what="read", most=most_backoff(engine))
+    return retrying_on(engine, once, what="read")
 
 
 _process_lock = threading.Lock()
@@ -284,8 +283,7 @@ def _advisory_lock(
             raise
         return connection
 
-    connection = retrying(acquire, seconds=OUTAGE_SECONDS, what="lock",
-                          most=most_backoff(engine))
+    connection = retrying_on(engine, acquire, what="lock")
     try:
         try:
             yield connection

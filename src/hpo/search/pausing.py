@@ -51,7 +51,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optuna_dashboard import save_note
 
 from hpo.search.pruning import rung_key
-from hpo.search.resilience import OUTAGE_SECONDS, most_backoff, retrying
+from hpo.search.resilience import retrying_on
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +179,7 @@ def _forget(engine: sqlalchemy.Engine, trial_id: int, checkpoint: dict[str, Any]
                 attrs.c.trial_id == trial_id, attrs.c.key.in_(later)))
 
     # One transaction, so made again whole through an outage, as a storage call is.
-    retrying(delete, seconds=OUTAGE_SECONDS, what="put back", most=most_backoff(engine))
+    retrying_on(engine, delete, what="put back")
 
 
 def claim(storage: optuna.storages.BaseStorage, trial_id: int, worker: str) -> str | None:

@@ -253,6 +253,12 @@ def most_backoff(engine: sqlalchemy.Engine) -> float:
     return storage.most_backoff() if storage is not None else MAX_BACKOFF
 
 
+def retrying_on(engine: sqlalchemy.Engine, call: Callable[[], T], *, what: str) -> T:
+    """`call`, which talks to `engine` directly, retried through an outage as a storage call
+    on it is: for OUTAGE_SECONDS, its tries at most `most_backoff(engine)` apart."""
+    return retrying(call, seconds=OUTAGE_SECONDS, what=what, most=most_backoff(engine))
+
+
 def close_opened() -> None:
     """Close the pooled connections of every storage opened so far. A command's engines sit
     in reference cycles, so without this their server connections stay open until a garbage

@@ -269,9 +269,10 @@ def settled(verdicts: dict[tuple[str, str, str], Verdict],
         """Whether `precision` is kept with its steps at their slowest (`slow`) and every
         other precision's at their fastest, or the other way round."""
         seconds: dict[str, dict[str, float]] = {}
-        for (model, other, peft), (low, high) in ends.items():
-            name = model if peft == "none" else f"{model} ({peft})"  # as `_configuration`
-            seconds.setdefault(name, {})[other] = high if (other == precision) == slow else low
+        for combination, (low, high) in ends.items():
+            other = combination[1]
+            seconds.setdefault(_configuration(verdicts[combination]), {})[other] = (
+                high if (other == precision) == slow else low)
         return precision in by_cost(seconds, precisions, tolerance).kept
 
     return all(kept(p, slow=True) == kept(p, slow=False) for p in precisions)
